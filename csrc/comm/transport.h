@@ -1,0 +1,87 @@
+// The transport interface: how every distributed algorithm in bytescale moves bytes.
+//
+// There is one transport per device type per world backend: GlooTransport (CPU tensors, delegating
+// to a torch ProcessGroupGloo) and NcclTransport (CUDA tensors, one NCCL communicator for the whole
+// world). Dynamic groups, ring attention and planner-driven data movement are written once against
+// this interface, so the multi-process CPU tests exercise the very code that runs over NCCL.
+//
+// Ordering contract (the same on both transports):
+//   * Point-to-point messages between a pair of ranks, in one direction, are matched in the order
+//     they are issued. Every pair of ranks must therefore issue their mutual sends/recvs in the same
+//     relative order. The planner guarantees this by giving every ring micro-batch the same relative
+//     order on all members of its group.
+//   * Messages to different peers progress independently: disjoint dynamic groups never interfere.
+//   * Full-world collectives (native()) need every rank, in the same order on every rank.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/DeviceType.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace c10d {
+class Backend;
+}
+
+namespace bytescale {
+namespace comm {
+
+// One point-to-point operation against a GLOBAL rank.
+struct P2POp {
+  enum Kind { kSend, kRecv };
+  Kind kind;
+  int peer;          // global rank of the other side
+  at::Tensor tensor; // contiguous; for kRecv the destination (filled in place)
+};
+
+// A launched batch of P2P operations.
+//   CPU:  the ops are posted to Gloo and progress in Gloo's threads; wait() blocks the calling
+//         thread until all completed (throws on error or timeout, naming the peers).
+//   CUDA: the ops are enqueued between ncclGroupStart/End on the transport's communication stream,
+//         after that stream waited for the caller's current stream; wait() makes the caller's
+//         *current* stream wait on the completion event (no CPU block).
+class PendingExchange {
+ public:
+  virtual ~PendingExchange() = default;
+  virtual void wait() = 0;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual c10::DeviceType deviceType() const = 0;
+  virtual int rank() const = 0;       // global rank
+  virtual int worldSize() const = 0;  // global size
+  virtual std::chrono::milliseconds timeout() const = 0;
+
+  // Launch a batch of P2P ops on the one global communicator. `what` names the caller (op and
+  // group) for error messages. An empty batch is allowed and returns an already-complete exchange.
+  virtual std::unique_ptr<PendingExchange> exchange(const std::vector<P2POp>& ops,
+                                                    const std::string& what) = 0;
+
+  // Convenience: one batched step of a ring. Sends `send` to `next`, receives into `recv` from
+  // `prev` (either side may be undefined to skip it). next == prev is fine (2-member rings).
+  std::unique_ptr<PendingExchange> ringStep(const at::Tensor& send, int next, const at::Tensor& recv,
+                                            int prev, const std::string& what) {
+    std::vector<P2POp> ops;
+    if (send.defined()) ops.push_back({P2POp::kSend, next, send});
+    if (recv.defined()) ops.push_back({P2POp::kRecv, prev, recv});
+    return exchange(ops, what);
+  }
+};
+
+// The transport of the process's world "bytescale" backend for a device type, registered when that
+// backend is created (nullptr before init_process_group("bytescale") or after destruction).
+// Ring attention and other ops look their transport up here, so they only need an ordered list of
+// global ranks to describe their group.
+std::shared_ptr<Transport> worldTransport(c10::DeviceType device);
+void registerWorldTransport(c10::DeviceType device, std::shared_ptr<Transport> transport);
+void unregisterWorldTransport(c10::DeviceType device, const Transport* transport);
+
+}  // namespace comm
+}  // namespace bytescale

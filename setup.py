@@ -1,0 +1,140 @@
+"""Build script for the ``bytescale._C`` extension.
+
+The source list lives in ``csrc/sources.txt`` (shared with CMakeLists.txt).  CUDA
+sources are compiled when the installed torch is a CUDA build and nvcc is found;
+a CPU-only torch gives a CPU-only extension with the same Python API.
+
+Environment knobs:
+  BYTESCALE_NO_CUDA=1   build the CPU-only extension even with a CUDA torch.
+  BYTESCALE_DEBUG=1     -O0 -g.
+  MAX_JOBS=N            parallel compile jobs (ninja).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).resolve().parent
+
+
+def read_sources() -> dict[str, list[str]]:
+    sections: dict[str, list[str]] = {}
+    current = None
+    for raw in (ROOT / "csrc" / "sources.txt").read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = line[1:-1]
+            sections.setdefault(current, [])
+        elif current is None:
+            raise SystemExit(f"csrc/sources.txt: source {line!r} outside a section")
+        else:
+            sections[current].append(line)
+    return sections
+
+
+def find_cuda_home() -> str | None:
+    for cand in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if cand and (Path(cand) / "bin" / "nvcc").exists():
+            return cand
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        real = Path(os.path.realpath(nvcc)).parent.parent
+        if (real / "include" / "cuda_runtime_api.h").exists():
+            return str(real)
+    return None
+
+
+def nccl_paths() -> tuple[str, str] | None:
+    """Include and lib dirs of the nvidia-nccl wheel torch depends on (one NCCL per process)."""
+    try:
+        import nvidia.nccl  # type: ignore
+
+        base = Path(list(nvidia.nccl.__path__)[0])
+    except Exception:
+        return None
+    inc, lib = base / "include", base / "lib"
+    if (inc / "nccl.h").exists() and (lib / "libnccl.so.2").exists():
+        return str(inc), str(lib)
+    return None
+
+
+def build_extension():
+    import torch
+    from torch.utils import cpp_extension
+
+    src = read_sources()
+    sources = src.get("core", []) + src.get("torch", [])
+    debug = os.environ.get("BYTESCALE_DEBUG") == "1"
+    opt = ["-O0", "-g"] if debug else ["-O3"]
+    cxx_flags = ["-std=c++17", *opt, "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
+    if not debug:
+        cxx_flags += ["-march=x86-64-v2"] if os.uname().machine == "x86_64" else []
+    define_macros = []
+    include_dirs = [str(ROOT / "csrc")]
+    library_dirs: list[str] = []
+    libraries: list[str] = []
+    extra_link = []
+
+    cuda_home = find_cuda_home()
+    want_cuda = (
+        torch.version.cuda is not None
+        and cuda_home is not None
+        and os.environ.get("BYTESCALE_NO_CUDA") != "1"
+    )
+    nccl = nccl_paths() if want_cuda else None
+    if want_cuda and nccl is None:
+        print("bytescale: CUDA torch but no nvidia-nccl wheel found; building CPU-only", file=sys.stderr)
+        want_cuda = False
+
+    if want_cuda:
+        os.environ["CUDA_HOME"] = cuda_home  # cpp_extension reads it at import in some versions
+        cpp_extension.CUDA_HOME = cuda_home
+        sources += src.get("cuda", [])
+        define_macros.append(("BYTESCALE_WITH_CUDA", "1"))
+        inc, lib = nccl
+        include_dirs.append(inc)
+        library_dirs.append(lib)
+        # Link by soname so the process shares the libnccl.so.2 torch already loaded.
+        extra_link += [f"-l:libnccl.so.2", f"-Wl,-rpath,{lib}"]
+        ext_cls = cpp_extension.CUDAExtension
+        extra = {
+            "cxx": cxx_flags,
+            "nvcc": [*opt, "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"],
+        }
+    else:
+        ext_cls = cpp_extension.CppExtension
+        extra = {"cxx": cxx_flags}
+
+    print(f"bytescale: building with CUDA={'yes' if want_cuda else 'no'}, {len(sources)} sources", file=sys.stderr)
+    return ext_cls(
+        name="bytescale._C",
+        sources=sources,
+        include_dirs=include_dirs,
+        define_macros=define_macros,
+        library_dirs=library_dirs,
+        libraries=libraries,
+        extra_compile_args=extra,
+        extra_link_args=extra_link,
+    )
+
+
+def main():
+    from torch.utils.cpp_extension import BuildExtension
+
+    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 2))
+    setup(
+        packages=find_packages(include=["bytescale", "bytescale.*"]),
+        ext_modules=[build_extension()],
+        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+        zip_safe=False,
+    )
+
+
+if __name__ == "__main__":
+    main()
