@@ -1,0 +1,53 @@
+// Zig-zag sharding of one sequence over an N-rank ring (pure C++, no torch).
+//
+// A sequence of length s sharded over N ranks is cut into 2N chunks with bounds
+//   b_j = floor(j * s / (2N)),  j = 0 .. 2N,   chunk j = [b_j, b_{j+1})
+// and the rank at ring position i holds chunks i and 2N-1-i, in that order (its local tokens are
+// chunk i followed by chunk 2N-1-i). Any length works: chunks differ by at most one token and may
+// be empty when s < 2N. Under a causal mask every rank then does the same attention work up to
+// rounding. This is the one definition of the layout: the planner, ring attention and the data
+// loader all use it.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace bytescale {
+namespace zigzag {
+
+// Start of chunk j (0 <= j <= 2N) of a length-s sequence split into 2N chunks.
+inline int64_t chunk_start(int64_t s, int64_t n_ranks, int64_t j) {
+  // j * s may overflow for absurd s; s <= 2^40 and 2N <= 2^20 keeps it in int64.
+  return (j * s) / (2 * n_ranks);
+}
+
+// [start, end) of chunk j.
+inline std::pair<int64_t, int64_t> chunk(int64_t s, int64_t n_ranks, int64_t j) {
+  return {chunk_start(s, n_ranks, j), chunk_start(s, n_ranks, j + 1)};
+}
+
+// The two chunk indices held by ring position i.
+inline std::pair<int64_t, int64_t> chunks_of(int64_t n_ranks, int64_t i) {
+  return {i, 2 * n_ranks - 1 - i};
+}
+
+// Number of tokens of a length-s sequence held by ring position i.
+inline int64_t local_tokens(int64_t s, int64_t n_ranks, int64_t i) {
+  auto a = chunk(s, n_ranks, i);
+  auto b = chunk(s, n_ranks, 2 * n_ranks - 1 - i);
+  return (a.second - a.first) + (b.second - b.first);
+}
+
+inline void check(int64_t s, int64_t n_ranks, int64_t i) {
+  if (s < 0) throw std::invalid_argument("zigzag: negative sequence length " + std::to_string(s));
+  if (n_ranks < 1)
+    throw std::invalid_argument("zigzag: ring size must be >= 1, got " + std::to_string(n_ranks));
+  if (i < 0 || i >= n_ranks)
+    throw std::invalid_argument("zigzag: ring position " + std::to_string(i) + " outside [0, " +
+                                std::to_string(n_ranks) + ")");
+}
+
+}  // namespace zigzag
+}  // namespace bytescale
