@@ -16,6 +16,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/DeviceType.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <chrono>
 #include <functional>
@@ -23,9 +24,6 @@
 #include <string>
 #include <vector>
 
-namespace c10d {
-class Backend;
-}
 
 namespace bytescale {
 namespace comm {
@@ -63,6 +61,19 @@ class Transport {
   // group) for error messages. An empty batch is allowed and returns an already-complete exchange.
   virtual std::unique_ptr<PendingExchange> exchange(const std::vector<P2POp>& ops,
                                                     const std::string& what) = 0;
+
+  // Run `body` as one asynchronous operation (a collective of a dynamic group, say) and return its
+  // Work. `outputs` are kept alive until completion and are the Work's result / future value.
+  //   CPU:  body runs on the transport's worker thread (one thread: operations start in the order
+  //         they are submitted); exceptions thrown by body fail the Work and surface in wait().
+  //   CUDA: the communication stream first waits on the caller's current stream, then body runs
+  //         inline on the calling thread with the communication stream current (it only enqueues);
+  //         Work::wait() makes the caller's current stream wait on the end event.
+  // Inside body, exchange(...)->wait() and ATen ops (reductions, copies) are ordered correctly on
+  // both transports.
+  virtual c10::intrusive_ptr<c10d::Work> run(const std::string& what,
+                                                   std::vector<at::Tensor> outputs,
+                                                   std::function<void()> body) = 0;
 
   // Convenience: one batched step of a ring. Sends `send` to `next`, receives into `recv` from
   // `prev` (either side may be undefined to skip it). next == prev is fine (2-member rings).
