@@ -72,7 +72,9 @@ def build_extension():
     sources = src.get("core", []) + src.get("torch", [])
     debug = os.environ.get("BYTESCALE_DEBUG") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
-    cxx_flags = ["-std=c++17", *opt, "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
+    # No -std here: torch.utils.cpp_extension picks the standard the installed torch needs
+    # (C++17 up to torch 2.9, C++20 after).
+    cxx_flags = [*opt, "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
     if not debug:
         cxx_flags += ["-march=x86-64-v2"] if os.uname().machine == "x86_64" else []
     define_macros = []
@@ -105,7 +107,7 @@ def build_extension():
         ext_cls = cpp_extension.CUDAExtension
         extra = {
             "cxx": cxx_flags,
-            "nvcc": [*opt, "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"],
+            "nvcc": [*opt, "--expt-relaxed-constexpr", "-lineinfo"],
         }
     else:
         ext_cls = cpp_extension.CppExtension

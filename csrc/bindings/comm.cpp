@@ -1,5 +1,81 @@
+// Python bindings of the communication subsystem.
 #include "bindings/bindings.h"
 
+#include <pybind11/chrono.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "comm/backend.h"
+#include "comm/dynamic_group.h"
+#include "comm/schedule.h"
+
+namespace py = pybind11;
+
 namespace bytescale {
-void bind_comm(pybind11::module_& m) { (void)m; }
+
+void bind_comm(py::module_& m) {
+  using comm::BytescaleBackend;
+  using comm::DynamicGroupBackend;
+  // torch.distributed must be imported first so that c10d.Backend is a known pybind type.
+  py::module_::import("torch.distributed");
+
+  py::class_<BytescaleBackend, c10d::Backend, c10::intrusive_ptr<BytescaleBackend>>(
+      m, "BytescaleBackend",
+      "The world 'bytescale' backend: Gloo (CPU) and NCCL (CUDA) natives plus the transports "
+      "dynamic groups and ring attention run on.")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       std::chrono::milliseconds timeout,
+                       const c10::intrusive_ptr<c10d::Backend>& gloo) {
+             return c10::make_intrusive<BytescaleBackend>(store, rank, size, timeout, gloo);
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("gloo"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("timeout", &BytescaleBackend::timeout)
+      .def("_shutdown", &BytescaleBackend::shutdown, py::call_guard<py::gil_scoped_release>());
+
+  py::class_<DynamicGroupBackend, c10d::Backend, c10::intrusive_ptr<DynamicGroupBackend>>(
+      m, "DynamicGroupBackend",
+      "Backend of a dynamic group: P2P algorithms on the world transports; no communicator.")
+      .def(py::init([](std::vector<int> ranks, int world_size, int my_rank) {
+             return c10::make_intrusive<DynamicGroupBackend>(std::move(ranks), world_size,
+                                                             my_rank);
+           }),
+           py::arg("ranks"), py::arg("world_size"), py::arg("my_rank"))
+      .def_property_readonly("ranks",
+                             [](const DynamicGroupBackend& b) { return b.rankMap().ranks(); })
+      .def_property_readonly("group_rank",
+                             [](const DynamicGroupBackend& b) { return b.rankMap().myIndex(); })
+      .def_property_readonly("next_rank",
+                             [](const DynamicGroupBackend& b) {
+                               b.rankMap().requireMember("next_rank");
+                               return b.rankMap().next();
+                             })
+      .def_property_readonly("prev_rank",
+                             [](const DynamicGroupBackend& b) {
+                               b.rankMap().requireMember("prev_rank");
+                               return b.rankMap().prev();
+                             })
+      .def("ring_exchange", &DynamicGroupBackend::ringExchange, py::arg("send"), py::arg("recv"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Send `send` to the next member and receive into `recv` from the previous one, as one "
+           "batched step. Returns a Work.");
+
+  m.def(
+      "has_world_transport",
+      [](const std::string& device) {
+        return comm::worldTransport(c10::Device(device).type()) != nullptr;
+      },
+      py::arg("device"));
+
+  // Schedules, exposed for tests and introspection.
+  m.def(
+      "ring_all_gather_schedule",
+      [](int n, int pos) {
+        std::vector<std::pair<int, int>> out;
+        for (auto s : comm::ringAllGatherSchedule(n, pos)) out.emplace_back(s.send_block, s.recv_block);
+        return out;
+      },
+      py::arg("n"), py::arg("position"));
+}
+
 }  // namespace bytescale

@@ -34,6 +34,7 @@ struct P2POp {
   Kind kind;
   int peer;          // global rank of the other side
   at::Tensor tensor; // contiguous; for kRecv the destination (filled in place)
+  int tag = -1;      // user tag (Gloo only; NCCL has none); -1: bytescale's own sequence tags
 };
 
 // A launched batch of P2P operations.

@@ -1,0 +1,198 @@
+"""The ``bytescale`` torch.distributed backend and zero-cost dynamic groups.
+
+``import bytescale`` registers the backend, so ``dist.init_process_group("bytescale")`` works under
+torchrun (``env://``), with an explicit ``store=``, and with ``device_id=``. One C++ backend serves
+CPU tensors (Gloo for the collectives it does natively, bytescale's P2P algorithms for the rest)
+and CUDA tensors (bytescale's NCCL backend with ONE communicator for the world).
+
+:func:`dynamic_group` builds a group from any ordered list of global ranks, locally, in
+microseconds, with no communication and no new communicator: its collectives run as P2P
+algorithms (ring all-gather / reduce-scatter, pipelined broadcast, pairwise all-to-all) on the
+world backend's transports.
+
+Ordering contract for dynamic groups
+------------------------------------
+* Every member of a group calls the group's collectives in the same order.
+* Messages between two ranks are matched in issue order, so any two ranks that share several
+  groups must use them in the same relative order (the planner guarantees this for ring
+  micro-batches). Disjoint groups never interfere; groups sharing no pair of ranks may run in any
+  order.
+* Collectives of a group run on the transport's worker (CPU) or communication stream (CUDA) in the
+  order they were issued by this process; point-to-point calls (``send``/``recv``/``ring_exchange``)
+  are posted immediately. Do not overlap an un-waited collective of one group with P2P calls to the
+  same peers from another thread.
+* A non-member may hold a group object, but every operation on it raises an error naming the group.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+from collections import OrderedDict
+from typing import Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from . import _C
+
+__all__ = [
+    "BACKEND_NAME",
+    "DynamicGroup",
+    "dynamic_group",
+    "world_backend",
+    "clear_dynamic_groups",
+]
+
+BACKEND_NAME = "bytescale"
+
+_world_backend: Optional[_C.comm.BytescaleBackend] = None
+_lock = threading.Lock()
+
+
+def _as_timedelta(t) -> datetime.timedelta:
+    if isinstance(t, datetime.timedelta):
+        return t
+    return datetime.timedelta(seconds=float(t))
+
+
+def _create_backend(dist_opts, pg_options):
+    """Creator called by torch.distributed (extended API) for every group using "bytescale"."""
+    global _world_backend
+    store = dist_opts.store
+    rank, size = dist_opts.group_rank, dist_opts.group_size
+    timeout = _as_timedelta(dist_opts.timeout)
+    global_ranks = list(dist_opts.global_ranks_in_group)
+    with _lock:
+        if global_ranks and _world_backend is not None:
+            # A subgroup (dist.new_group / DeviceMesh): a dynamic group on the world communicator.
+            world = dist.get_world_size()
+            return _C.comm.DynamicGroupBackend(global_ranks, world, dist.get_rank())
+        if global_ranks and len(global_ranks) != size:
+            raise RuntimeError(
+                "bytescale: a subgroup was created with the bytescale backend while the default "
+                "process group does not use it; init_process_group('bytescale') first"
+            )
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore("bytescale/gloo/", store), rank, size, timeout)
+        backend = _C.comm.BytescaleBackend(store, rank, size, timeout, gloo)
+        _world_backend = backend
+        _group_cache.clear()
+        return backend
+
+
+def _register() -> None:
+    if BACKEND_NAME.upper() in dist.Backend._plugins:  # already registered (re-import)
+        return
+    dist.Backend.register_backend(
+        BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"]
+    )
+
+
+def world_backend() -> _C.comm.BytescaleBackend:
+    """The C++ backend of the world group (raises if bytescale is not initialised)."""
+    if _world_backend is None or not dist.is_initialized():
+        raise RuntimeError(
+            "bytescale: no world backend; call dist.init_process_group('bytescale') first"
+        )
+    return _world_backend
+
+
+class DynamicGroup(ProcessGroup):
+    """A process group over an ordered list of global ranks, on the world communicator.
+
+    Pass it as ``group=`` to ``dist.all_reduce``, ``dist.all_gather_into_tensor``,
+    ``dist.reduce_scatter_tensor``, ``dist.broadcast``, ``dist.all_to_all_single``,
+    ``dist.batch_isend_irecv`` (and the other collectives). Ranks given to torch.distributed APIs
+    (``src=``, ``dst=``, ``P2POp`` peers) are global ranks, as for any group.
+    """
+
+    def __init__(self, ranks: Sequence[int]):
+        if not dist.is_initialized():
+            raise RuntimeError("bytescale.dynamic_group: call dist.init_process_group('bytescale') first")
+        world = dist.get_world_size()
+        me = dist.get_rank()
+        backend = _C.comm.DynamicGroupBackend(list(ranks), world, me)
+        self._backend = backend
+        self._ranks = tuple(backend.ranks)
+        super().__init__(backend.group_rank, len(self._ranks))
+        for dev in ("cpu", "cuda"):
+            self._register_backend(torch.device(dev), ProcessGroup.BackendType.CUSTOM, backend)
+        self._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+        # torch.distributed translates global ranks (src=, dst=, P2P peers) through this map.
+        dist.distributed_c10d._world.pg_group_ranks[self] = {g: i for i, g in enumerate(self._ranks)}
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The ordered global ranks (ring order)."""
+        return self._ranks
+
+    @property
+    def is_member(self) -> bool:
+        return self._backend.group_rank >= 0
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next member in ring order."""
+        return self._backend.next_rank
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank of the previous member in ring order."""
+        return self._backend.prev_rank
+
+    def ring_exchange(
+        self, send: Optional[torch.Tensor], recv: Optional[torch.Tensor], async_op: bool = False
+    ):
+        """Send ``send`` to the next member and receive into ``recv`` from the previous one.
+
+        Both directions are launched as one batched step (for ring attention). Returns the Work
+        when ``async_op`` is true, else waits and returns None.
+        """
+        work = self._backend.ring_exchange(send, recv)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def _release(self) -> None:
+        dist.distributed_c10d._world.pg_group_ranks.pop(self, None)
+
+    def __repr__(self) -> str:
+        return f"DynamicGroup(ranks={list(self._ranks)})"
+
+
+_CACHE_SIZE = 4096
+_group_cache: "OrderedDict[tuple[int, ...], DynamicGroup]" = OrderedDict()
+
+
+def dynamic_group(ranks: Iterable[int], cache: bool = True) -> DynamicGroup:
+    """A group over ``ranks`` (ordered global ranks, any size 1..world), created locally.
+
+    No communication and no communicator is involved: call it on every member (and, if convenient,
+    on non-members, who may hold but not use the group). With ``cache=True`` the same ordered rank
+    list returns the same object (an LRU of 4096 groups), so per-micro-batch calls cost a dict
+    lookup.
+    """
+    key = tuple(int(r) for r in ranks)
+    if cache:
+        g = _group_cache.get(key)
+        if g is not None:
+            _group_cache.move_to_end(key)
+            return g
+    g = DynamicGroup(key)
+    if cache:
+        _group_cache[key] = g
+        if len(_group_cache) > _CACHE_SIZE:
+            _, old = _group_cache.popitem(last=False)
+            old._release()
+    return g
+
+
+def clear_dynamic_groups() -> None:
+    """Forget cached dynamic groups (they are also dropped when the world backend is recreated)."""
+    for g in _group_cache.values():
+        g._release()
+    _group_cache.clear()
+
+
+_register()

@@ -1,0 +1,374 @@
+#include "comm/backend.h"
+
+#include <ATen/ATen.h>
+
+#include <unordered_map>
+
+#include "comm/group_ops.h"
+#include "comm/work.h"
+
+#if defined(BYTESCALE_WITH_CUDA) && __has_include("cuda/nccl_backend.h")
+#include "cuda/nccl_backend.h"
+#define BYTESCALE_HAVE_NCCL 1
+#endif
+
+namespace bytescale {
+namespace comm {
+
+// ---- the process's world transports --------------------------------------------------------------
+
+namespace {
+std::mutex g_registry_mu;
+std::unordered_map<int, std::shared_ptr<Transport>>& registry() {
+  static std::unordered_map<int, std::shared_ptr<Transport>> r;
+  return r;
+}
+}  // namespace
+
+std::shared_ptr<Transport> worldTransport(c10::DeviceType device) {
+  std::lock_guard<std::mutex> g(g_registry_mu);
+  auto it = registry().find(static_cast<int>(device));
+  return it == registry().end() ? nullptr : it->second;
+}
+
+void registerWorldTransport(c10::DeviceType device, std::shared_ptr<Transport> transport) {
+  std::lock_guard<std::mutex> g(g_registry_mu);
+  registry()[static_cast<int>(device)] = std::move(transport);
+}
+
+void unregisterWorldTransport(c10::DeviceType device, const Transport* transport) {
+  std::lock_guard<std::mutex> g(g_registry_mu);
+  auto it = registry().find(static_cast<int>(device));
+  if (it != registry().end() && it->second.get() == transport) registry().erase(it);
+}
+
+// ---- BytescaleBackend ------------------------------------------------------------------------------
+
+namespace {
+std::vector<int> iota(int n) {
+  std::vector<int> v(n);
+  for (int i = 0; i < n; ++i) v[i] = i;
+  return v;
+}
+bool needsGroupOps(const c10d::ReduceOp& op) {
+  return op.op_ == c10d::ReduceOp::AVG || op.op_ == c10d::ReduceOp::PREMUL_SUM;
+}
+}  // namespace
+
+BytescaleBackend::BytescaleBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                                   std::chrono::milliseconds timeout,
+                                   c10::intrusive_ptr<c10d::Backend> gloo)
+    : c10d::Backend(rank, size),
+      store_(std::move(store)),
+      timeout_(timeout),
+      world_(std::make_shared<const RankMap>(iota(size), size, rank)),
+      gloo_(std::move(gloo)) {
+  TORCH_CHECK(gloo_, "bytescale: the world backend needs a Gloo backend for CPU tensors");
+  cpu_ = std::make_shared<GlooTransport>(gloo_, rank, size, timeout);
+  registerWorldTransport(c10::DeviceType::CPU, cpu_);
+}
+
+BytescaleBackend::~BytescaleBackend() {
+  try {
+    shutdown();
+  } catch (...) {
+  }
+}
+
+void BytescaleBackend::shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  unregisterWorldTransport(c10::DeviceType::CPU, cpu_.get());
+  if (cuda_) unregisterWorldTransport(c10::DeviceType::CUDA, cuda_.get());
+  cpu_->shutdown();
+  if (nccl_) nccl_->shutdown();
+}
+
+void BytescaleBackend::abort() {
+  if (nccl_) nccl_->abort();
+  shutdown();
+}
+
+std::shared_ptr<Transport> BytescaleBackend::transport(c10::DeviceType device) const {
+  return device == c10::DeviceType::CPU ? std::static_pointer_cast<Transport>(cpu_) : cuda_;
+}
+
+c10d::Backend& BytescaleBackend::native(c10::DeviceType device, const std::string& what) {
+  TORCH_CHECK(!shut_down_, "bytescale ", what, ": the backend has been shut down");
+  if (device == c10::DeviceType::CPU) return *gloo_;
+  TORCH_CHECK(device == c10::DeviceType::CUDA, "bytescale ", what, ": unsupported device type ",
+              c10::DeviceTypeName(device), " (bytescale handles cpu and cuda tensors)");
+#ifdef BYTESCALE_HAVE_NCCL
+  if (!nccl_) {
+    nccl_ = cuda::makeNcclBackend(store_, getRank(), getSize(), timeout_);
+    cuda_ = cuda::transportOf(nccl_);
+    registerWorldTransport(c10::DeviceType::CUDA, cuda_);
+  }
+  return *nccl_;
+#else
+  TORCH_CHECK(false, "bytescale ", what,
+              ": CUDA tensors need bytescale built with CUDA (this build is CPU-only)");
+#endif
+}
+
+void BytescaleBackend::eagerConnectSingleDevice(at::Device device) {
+  if (device.type() != c10::DeviceType::CUDA) return;
+  native(c10::DeviceType::CUDA, "eager connect");
+#ifdef BYTESCALE_HAVE_NCCL
+  cuda::eagerConnect(nccl_, device.index());
+#endif
+}
+
+template <typename F>
+c10::intrusive_ptr<c10d::Work> BytescaleBackend::viaGroupOps(const std::string& what,
+                                                              std::vector<at::Tensor> outs,
+                                                              F body) {
+  TORCH_CHECK(!shut_down_, "bytescale ", what, ": the backend has been shut down");
+  auto tr = cpu_;
+  auto world = world_;
+  return tr->run(what, std::move(outs), [tr, world, body = std::move(body)]() { body(*tr, *world); });
+}
+
+c10::intrusive_ptr<c10d::Work> BytescaleBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                           const c10d::BroadcastOptions& opts) {
+  return native(deviceTypeOf(tensors, "broadcast"), "broadcast").broadcast(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> BytescaleBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                           const c10d::AllreduceOptions& opts) {
+  auto dt = deviceTypeOf(tensors, "all_reduce");
+  if (!isCuda(dt) && needsGroupOps(opts.reduceOp)) {
+    std::string what = "all_reduce";
+    auto op = opts.reduceOp;
+    for (const auto& t : tensors) group_ops::checkReduceOp(op, t, what);
+    return viaGroupOps(what, tensors, [tensors, op, what](Transport& tr, const RankMap& g) {
+      for (const auto& t : tensors) group_ops::allReduce(tr, g, t, op, what);
+    });
+  }
+  return native(dt, "all_reduce").allreduce(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> BytescaleBackend::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  auto dt = deviceTypeOf(tensors, "all_reduce_coalesced");
+  if (!isCuda(dt) && needsGroupOps(opts.reduceOp)) return allreduce(tensors, opts);
+  return native(dt, "all_reduce_coalesced").allreduce_coalesced(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> BytescaleBackend::reduce(std::vector<at::Tensor>& tensors,
+                                                        const c10d::ReduceOptions& opts) {
+  auto dt = deviceTypeOf(tensors, "reduce");
+  if (!isCuda(dt) && needsGroupOps(opts.reduceOp)) {
+    std::string what = "reduce";
+    auto op = opts.reduceOp;
+    int root = static_cast<int>(opts.rootRank);
+    return viaGroupOps(what, tensors, [tensors, op, root, what](Transport& tr, const RankMap& g) {
+      for (const auto& t : tensors) group_ops::reduce(tr, g, t, op, root, what);
+    });
+  }
+  return native(dt, "reduce").reduce(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> BytescaleBackend::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return native(deviceTypeOf(inputs, "all_gather"), "all_gather").allgather(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> BytescaleBackend::_allgather_base(
+    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
+  auto dt = deviceTypeOf({output, input}, "all_gather_into_tensor");
+  TORCH_CHECK(output.numel() == input.numel() * getSize(), "bytescale all_gather_into_tensor: "
+              "output has ", output.numel(), " elements but world size ", getSize(), " x input ",
+              input.sizes(), " needs ", input.numel() * getSize());
+  return native(dt, "all_gather_into_tensor")._allgather_base(output, input, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> BytescaleBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return native(deviceTypeOf(inputs, "all_gather_coalesced"), "all_gather_coalesced")
+      .allgather_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> BytescaleBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  std::string what = "all_gather_into_tensor_coalesced";
+  auto dt = deviceTypeOf(inputs, what);
+  if (isCuda(dt)) return native(dt, what).allgather_into_tensor_coalesced(outputs, inputs, opts);
+  TORCH_CHECK(outputs.size() == inputs.size(), "bytescale ", what, ": ", outputs.size(),
+              " outputs for ", inputs.size(), " inputs");
+  return viaGroupOps(what, outputs, [outputs, inputs, what](Transport& tr, const RankMap& g) {
+    for (size_t k = 0; k < inputs.size(); ++k)
+      group_ops::allGather(tr, g, outputs[k], inputs[k], what);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> BytescaleBackend::gather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
+  return native(deviceTypeOf(inputs, "gather"), "gather").gather(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> BytescaleBackend::scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  return native(deviceTypeOf(outputs, "scatter"), "scatter").scatter(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> BytescaleBackend::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  std::string what = "reduce_scatter";
+  auto dt = deviceTypeOf(outputs, what);
+  if (isCuda(dt)) return native(dt, what).reduce_scatter(outputs, inputs, opts);
+  TORCH_CHECK(outputs.size() == inputs.size(), "bytescale ", what, ": ", outputs.size(),
+              " outputs for ", inputs.size(), " input lists");
+  for (size_t k = 0; k < inputs.size(); ++k)
+    TORCH_CHECK(static_cast<int>(inputs[k].size()) == getSize(), "bytescale ", what,
+                ": input list has ", inputs[k].size(), " tensors for world size ", getSize());
+  auto op = opts.reduceOp;
+  return viaGroupOps(what, outputs, [outputs, inputs, op, what](Transport& tr, const RankMap& g) {
+    for (size_t k = 0; k < outputs.size(); ++k) {
+      std::vector<at::Tensor> flat;
+      for (const auto& t : inputs[k]) flat.push_back(t.reshape(-1));
+      group_ops::reduceScatter(tr, g, outputs[k], at::cat(flat), op, what);
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> BytescaleBackend::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  std::string what = "reduce_scatter_tensor";
+  auto dt = deviceTypeOf({output, input}, what);
+  if (isCuda(dt)) return native(dt, what)._reduce_scatter_base(output, input, opts);
+  auto op = opts.reduceOp;
+  group_ops::checkReduceOp(op, input, what);
+  TORCH_CHECK(input.numel() == output.numel() * getSize(), "bytescale ", what, ": input has ",
+              input.numel(), " elements but world size ", getSize(), " x output ", output.sizes(),
+              " needs ", output.numel() * getSize());
+  return viaGroupOps(what, {output}, [output, input, op, what](Transport& tr, const RankMap& g) {
+    group_ops::reduceScatter(tr, g, output, input, op, what);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> BytescaleBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  std::string what = "reduce_scatter_tensor_coalesced";
+  auto dt = deviceTypeOf(inputs, what);
+  if (isCuda(dt)) return native(dt, what).reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  TORCH_CHECK(outputs.size() == inputs.size(), "bytescale ", what, ": ", outputs.size(),
+              " outputs for ", inputs.size(), " inputs");
+  auto op = opts.reduceOp;
+  return viaGroupOps(what, outputs, [outputs, inputs, op, what](Transport& tr, const RankMap& g) {
+    for (size_t k = 0; k < inputs.size(); ++k)
+      group_ops::reduceScatter(tr, g, outputs[k], inputs[k], op, what);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> BytescaleBackend::alltoall_base(
+    at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
+    std::vector<int64_t>& input_splits, const c10d::AllToAllOptions& opts) {
+  return native(deviceTypeOf({output, input}, "all_to_all_single"), "all_to_all_single")
+      .alltoall_base(output, input, output_splits, input_splits, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> BytescaleBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                                          std::vector<at::Tensor>& inputs,
+                                                          const c10d::AllToAllOptions& opts) {
+  std::string what = "all_to_all";
+  auto dt = deviceTypeOf(inputs, what);
+  if (isCuda(dt)) return native(dt, what).alltoall(outputs, inputs, opts);
+  // Gloo has no list all-to-all on every torch version: pairwise exchange over the transport.
+  const int n = getSize();
+  TORCH_CHECK(static_cast<int>(outputs.size()) == n && static_cast<int>(inputs.size()) == n,
+              "bytescale ", what, ": needs ", n, " input and output tensors, got ", inputs.size(),
+              " and ", outputs.size());
+  return viaGroupOps(what, outputs, [outputs, inputs, what](Transport& tr, const RankMap& g) {
+    const int i = g.myIndex();
+    outputs[i].copy_(inputs[i].view(outputs[i].sizes()));
+    std::vector<P2POp> ops;
+    std::vector<std::pair<at::Tensor, at::Tensor>> copies;
+    for (const auto& st : pairwiseSchedule(g.size(), i)) {
+      ops.push_back({P2POp::kSend, st.send_to, inputs[st.send_to].contiguous()});
+      at::Tensor o = outputs[st.recv_from];
+      at::Tensor oc = o.is_contiguous() ? o : o.contiguous();
+      if (!oc.is_same(o)) copies.emplace_back(o, oc);
+      ops.push_back({P2POp::kRecv, st.recv_from, oc});
+    }
+    tr.exchange(ops, what)->wait();
+    for (auto& c : copies) c.first.copy_(c.second);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> BytescaleBackend::send(std::vector<at::Tensor>& tensors,
+                                                      int dst_rank, int tag) {
+  auto dt = deviceTypeOf(tensors, "send");
+  TORCH_CHECK(tensors.size() == 1, "bytescale send: expects exactly one tensor");
+  {
+    std::lock_guard<std::mutex> g(coalesce_mu_);
+    if (coalescer_.active()) {
+      coalescer_.add(dt, {P2POp::kSend, dst_rank, tensors[0], tag});
+      return completedWork(getRank(), c10d::OpType::SEND, tensors);
+    }
+  }
+  return native(dt, "send").send(tensors, dst_rank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> BytescaleBackend::recv(std::vector<at::Tensor>& tensors,
+                                                      int src_rank, int tag) {
+  auto dt = deviceTypeOf(tensors, "recv");
+  TORCH_CHECK(tensors.size() == 1, "bytescale recv: expects exactly one tensor");
+  {
+    std::lock_guard<std::mutex> g(coalesce_mu_);
+    if (coalescer_.active()) {
+      coalescer_.add(dt, {P2POp::kRecv, src_rank, tensors[0], tag});
+      return completedWork(getRank(), c10d::OpType::RECV, tensors);
+    }
+  }
+  return native(dt, "recv").recv(tensors, src_rank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> BytescaleBackend::barrier(const c10d::BarrierOptions& opts) {
+  return gloo_->barrier(const_cast<c10d::BarrierOptions&>(opts));
+}
+
+void BytescaleBackend::startCoalescing() {
+  std::lock_guard<std::mutex> g(coalesce_mu_);
+  coalescer_.start("coalescing");
+}
+
+c10::intrusive_ptr<c10d::Work> BytescaleBackend::endCoalescing() {
+  std::vector<P2POp> ops;
+  c10::DeviceType dt;
+  {
+    std::lock_guard<std::mutex> g(coalesce_mu_);
+    dt = coalescer_.device();
+    ops = coalescer_.take("coalescing");
+  }
+  if (ops.empty()) return completedWork(getRank(), c10d::OpType::COALESCED, {});
+  std::vector<at::Tensor> tensors;
+  for (const auto& op : ops) tensors.push_back(op.tensor);
+  if (isCuda(dt)) {
+    // NCCL groups the sends/recvs issued between its own start/endCoalescing.
+    auto& nccl = native(dt, "batch_isend_irecv");
+    nccl.startCoalescing();
+    for (auto& op : ops) {
+      std::vector<at::Tensor> one{op.tensor};
+      if (op.kind == P2POp::kSend)
+        nccl.send(one, op.peer, op.tag < 0 ? 0 : op.tag);
+      else
+        nccl.recv(one, op.peer, op.tag < 0 ? 0 : op.tag);
+    }
+    return nccl.endCoalescing();
+  }
+  // CPU: Gloo sends/recvs with the user's tags, so a batch matches plain isend/irecv on the peer.
+  return c10::make_intrusive<ExchangeWork>(getRank(), c10d::OpType::COALESCED,
+                                           cpu_->exchange(ops, "batch_isend_irecv"),
+                                           std::move(tensors));
+}
+
+}  // namespace comm
+}  // namespace bytescale
