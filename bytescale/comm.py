@@ -118,8 +118,11 @@ class DynamicGroup(ProcessGroup):
         for dev in ("cpu", "cuda"):
             self._register_backend(torch.device(dev), ProcessGroup.BackendType.CUSTOM, backend)
         self._set_default_backend(ProcessGroup.BackendType.CUSTOM)
-        # torch.distributed translates global ranks (src=, dst=, P2P peers) through this map.
-        dist.distributed_c10d._world.pg_group_ranks[self] = {g: i for i, g in enumerate(self._ranks)}
+        # torch.distributed translates global ranks (src=, dst=, P2P peers) through pg_group_ranks
+        # and names the backend (in logs and errors) through pg_map.
+        w = dist.distributed_c10d._world
+        w.pg_group_ranks[self] = {g: i for i, g in enumerate(self._ranks)}
+        w.pg_map[self] = (BACKEND_NAME, w.pg_map[dist.distributed_c10d._get_default_group()][1])
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -155,7 +158,9 @@ class DynamicGroup(ProcessGroup):
         return None
 
     def _release(self) -> None:
-        dist.distributed_c10d._world.pg_group_ranks.pop(self, None)
+        w = dist.distributed_c10d._world
+        w.pg_group_ranks.pop(self, None)
+        w.pg_map.pop(self, None)
 
     def __repr__(self) -> str:
         return f"DynamicGroup(ranks={list(self._ranks)})"
