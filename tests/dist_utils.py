@@ -82,7 +82,9 @@ def run_distributed(
                     p.kill()
             for p in ctx.processes:
                 p.join(5)
-        return [
-            torch.load(os.path.join(tmpdir, f"result_{r}.pt"), weights_only=False)
-            for r in range(world_size)
-        ]
+        results = []
+        for r in range(world_size):
+            path = os.path.join(tmpdir, f"result_{r}.pt")
+            # A rank that deliberately exited early (os._exit(0)) leaves no result: None.
+            results.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
+        return results

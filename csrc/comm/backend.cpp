@@ -119,6 +119,13 @@ void BytescaleBackend::eagerConnectSingleDevice(at::Device device) {
 #endif
 }
 
+void BytescaleBackend::check(c10::DeviceType dt, int op, const at::Tensor& t, bool shape_known,
+                             int64_t extra, const std::string& what) {
+  if (dt != c10::DeviceType::CPU) return;
+  group_ops::checkConsistent(*cpu_, *world_, static_cast<group_ops::OpCode>(op), t, shape_known,
+                             extra, what);
+}
+
 template <typename F>
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::viaGroupOps(const std::string& what,
                                                               std::vector<at::Tensor> outs,
@@ -131,7 +138,9 @@ c10::intrusive_ptr<c10d::Work> BytescaleBackend::viaGroupOps(const std::string& 
 
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                            const c10d::BroadcastOptions& opts) {
-  return native(deviceTypeOf(tensors, "broadcast"), "broadcast").broadcast(tensors, opts);
+  auto dt = deviceTypeOf(tensors, "broadcast");
+  for (const auto& t : tensors) check(dt, static_cast<int>(group_ops::OpCode::kBroadcast), t, true, opts.rootRank, "broadcast");
+  return native(dt, "broadcast").broadcast(tensors, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::allreduce(std::vector<at::Tensor>& tensors,
@@ -145,6 +154,7 @@ c10::intrusive_ptr<c10d::Work> BytescaleBackend::allreduce(std::vector<at::Tenso
       for (const auto& t : tensors) group_ops::allReduce(tr, g, t, op, what);
     });
   }
+  for (const auto& t : tensors) check(dt, static_cast<int>(group_ops::OpCode::kAllReduce), t, true, opts.reduceOp.op_, "all_reduce");
   return native(dt, "all_reduce").allreduce(tensors, opts);
 }
 
@@ -152,6 +162,8 @@ c10::intrusive_ptr<c10d::Work> BytescaleBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   auto dt = deviceTypeOf(tensors, "all_reduce_coalesced");
   if (!isCuda(dt) && needsGroupOps(opts.reduceOp)) return allreduce(tensors, opts);
+  for (const auto& t : tensors)
+    check(dt, static_cast<int>(group_ops::OpCode::kAllReduce), t, true, opts.reduceOp.op_, "all_reduce_coalesced");
   return native(dt, "all_reduce_coalesced").allreduce_coalesced(tensors, opts);
 }
 
@@ -166,13 +178,16 @@ c10::intrusive_ptr<c10d::Work> BytescaleBackend::reduce(std::vector<at::Tensor>&
       for (const auto& t : tensors) group_ops::reduce(tr, g, t, op, root, what);
     });
   }
+  for (const auto& t : tensors) check(dt, static_cast<int>(group_ops::OpCode::kReduce), t, true, opts.rootRank, "reduce");
   return native(dt, "reduce").reduce(tensors, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return native(deviceTypeOf(inputs, "all_gather"), "all_gather").allgather(outputs, inputs, opts);
+  auto dt = deviceTypeOf(inputs, "all_gather");
+  for (const auto& t : inputs) check(dt, static_cast<int>(group_ops::OpCode::kAllGather), t, true, 0, "all_gather");
+  return native(dt, "all_gather").allgather(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::_allgather_base(
@@ -181,14 +196,16 @@ c10::intrusive_ptr<c10d::Work> BytescaleBackend::_allgather_base(
   TORCH_CHECK(output.numel() == input.numel() * getSize(), "bytescale all_gather_into_tensor: "
               "output has ", output.numel(), " elements but world size ", getSize(), " x input ",
               input.sizes(), " needs ", input.numel() * getSize());
+  check(dt, static_cast<int>(group_ops::OpCode::kAllGather), input, true, 0, "all_gather_into_tensor");
   return native(dt, "all_gather_into_tensor")._allgather_base(output, input, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return native(deviceTypeOf(inputs, "all_gather_coalesced"), "all_gather_coalesced")
-      .allgather_coalesced(outputs, inputs, opts);
+  auto dt = deviceTypeOf(inputs, "all_gather_coalesced");
+  for (const auto& t : inputs) check(dt, static_cast<int>(group_ops::OpCode::kAllGather), t, true, 0, "all_gather_coalesced");
+  return native(dt, "all_gather_coalesced").allgather_coalesced(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::allgather_into_tensor_coalesced(
@@ -208,13 +225,17 @@ c10::intrusive_ptr<c10d::Work> BytescaleBackend::allgather_into_tensor_coalesced
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
-  return native(deviceTypeOf(inputs, "gather"), "gather").gather(outputs, inputs, opts);
+  auto dt = deviceTypeOf(inputs, "gather");
+  for (const auto& t : inputs) check(dt, static_cast<int>(group_ops::OpCode::kGather), t, true, opts.rootRank, "gather");
+  return native(dt, "gather").gather(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
-  return native(deviceTypeOf(outputs, "scatter"), "scatter").scatter(outputs, inputs, opts);
+  auto dt = deviceTypeOf(outputs, "scatter");
+  for (const auto& t : outputs) check(dt, static_cast<int>(group_ops::OpCode::kScatter), t, true, opts.rootRank, "scatter");
+  return native(dt, "scatter").scatter(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::reduce_scatter(
@@ -271,7 +292,9 @@ c10::intrusive_ptr<c10d::Work> BytescaleBackend::reduce_scatter_tensor_coalesced
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
     std::vector<int64_t>& input_splits, const c10d::AllToAllOptions& opts) {
-  return native(deviceTypeOf({output, input}, "all_to_all_single"), "all_to_all_single")
+  auto dt = deviceTypeOf({output, input}, "all_to_all_single");
+  check(dt, static_cast<int>(group_ops::OpCode::kAllToAll), input, false, 0, "all_to_all_single");
+  return native(dt, "all_to_all_single")
       .alltoall_base(output, input, output_splits, input_splits, opts);
 }
 

@@ -90,6 +90,9 @@ class BytescaleBackend final : public c10d::Backend {
   // The native backend for the tensors' device (Gloo for CPU, NCCL for CUDA).
   c10d::Backend& native(c10::DeviceType device, const std::string& what);
   bool isCuda(c10::DeviceType d) const { return d == c10::DeviceType::CUDA; }
+  // Cross-rank fingerprint check before a Gloo-native collective (CPU only; see group_ops.h).
+  void check(c10::DeviceType dt, int op, const at::Tensor& t, bool shape_known, int64_t extra,
+             const std::string& what);
   template <typename F>
   c10::intrusive_ptr<c10d::Work> viaGroupOps(const std::string& what, std::vector<at::Tensor> outs,
                                              F body);

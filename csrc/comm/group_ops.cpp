@@ -3,7 +3,9 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <numeric>
+#include <sstream>
 
 namespace bytescale {
 namespace comm {
@@ -117,9 +119,9 @@ void checkReduceOp(const c10d::ReduceOp& op, const at::Tensor& t, const std::str
   }
 }
 
-void allGather(Transport& tr, const RankMap& g, const at::Tensor& out, const at::Tensor& in,
-               const std::string& what) {
-  g.requireMember(what);
+namespace {
+void allGatherImpl(Transport& tr, const RankMap& g, const at::Tensor& out, const at::Tensor& in,
+                   const std::string& what) {
   checkSameDevice(out, in, what);
   const int n = g.size(), i = g.myIndex();
   const int64_t m = in.numel();
@@ -134,12 +136,21 @@ void allGather(Transport& tr, const RankMap& g, const at::Tensor& out, const at:
              g.prev(), what);
   if (!o.is_same(out)) out.copy_(o);
 }
+}  // namespace
+
+void allGather(Transport& tr, const RankMap& g, const at::Tensor& out, const at::Tensor& in,
+               const std::string& what) {
+  g.requireMember(what);
+  checkConsistent(tr, g, OpCode::kAllGather, in, true, 0, what);
+  allGatherImpl(tr, g, out, in, what);
+}
 
 void reduceScatter(Transport& tr, const RankMap& g, const at::Tensor& out, const at::Tensor& in,
                    const c10d::ReduceOp& op, const std::string& what) {
   g.requireMember(what);
   checkSameDevice(out, in, what);
   checkReduceOp(op, in, what);
+  checkConsistent(tr, g, OpCode::kReduceScatter, out, true, op.op_, what);
   const int n = g.size(), i = g.myIndex();
   const int64_t m = out.numel();
   TORCH_CHECK(in.numel() == n * m, "bytescale ", what, ": input has ", in.numel(),
@@ -161,6 +172,7 @@ void allReduce(Transport& tr, const RankMap& g, const at::Tensor& t, const c10d:
                const std::string& what) {
   g.requireMember(what);
   checkReduceOp(op, t, what);
+  checkConsistent(tr, g, OpCode::kAllReduce, t, true, op.op_, what);
   const int n = g.size(), i = g.myIndex();
   const int64_t total = t.numel();
   at::Tensor w = contiguousOrSame(t);
@@ -170,7 +182,7 @@ void allReduce(Transport& tr, const RankMap& g, const at::Tensor& t, const c10d:
     finish(f, op, n);
   } else if (total < n || total * t.element_size() <= kSmallAllReduceBytes) {
     at::Tensor gathered = at::empty({n, total}, f.options());
-    allGather(tr, g, gathered, f, what);
+    allGatherImpl(tr, g, gathered, f, what);
     premultiply(gathered, op);
     at::Tensor acc = gathered[0].clone();
     for (int j = 1; j < n; ++j) combine(acc, gathered[j], op.op_);
@@ -199,6 +211,7 @@ void broadcast(Transport& tr, const RankMap& g, const at::Tensor& t, int root,
   const int n = g.size(), i = g.myIndex();
   TORCH_CHECK(root >= 0 && root < n, "bytescale ", what, ": root ", root,
               " is not a group rank of ", g.describe());
+  checkConsistent(tr, g, OpCode::kBroadcast, t, true, root, what);
   if (n == 1 || t.numel() == 0) return;
   at::Tensor w = contiguousOrSame(t);
   at::Tensor f = w.view(-1);
@@ -245,6 +258,7 @@ void allToAll(Transport& tr, const RankMap& g, const at::Tensor& out, const at::
     TORCH_CHECK(sum == t.size(0), "bytescale ", what, ": ", name, " split sizes sum to ", sum,
                 " but dim 0 is ", t.size(0));
   };
+  checkConsistent(tr, g, OpCode::kAllToAll, in, false, 0, what);
   fill(in_splits, in, "input");
   fill(out_splits, out, "output");
   at::Tensor ic = contiguousOrSame(in);
@@ -273,6 +287,7 @@ void gather(Transport& tr, const RankMap& g, const std::vector<at::Tensor>& outp
   g.requireMember(what);
   const int n = g.size(), i = g.myIndex();
   TORCH_CHECK(root >= 0 && root < n, "bytescale ", what, ": root ", root, " outside the group");
+  checkConsistent(tr, g, OpCode::kGather, in, true, root, what);
   if (i != root) {
     tr.exchange({{P2POp::kSend, g.globalRank(root), contiguousOrSame(in)}}, what)->wait();
     return;
@@ -302,6 +317,7 @@ void scatter(Transport& tr, const RankMap& g, const at::Tensor& out,
   g.requireMember(what);
   const int n = g.size(), i = g.myIndex();
   TORCH_CHECK(root >= 0 && root < n, "bytescale ", what, ": root ", root, " outside the group");
+  checkConsistent(tr, g, OpCode::kScatter, out, true, root, what);
   if (i != root) {
     at::Tensor o = contiguousOrSame(out);
     tr.exchange({{P2POp::kRecv, g.globalRank(root), o}}, what)->wait();
@@ -329,6 +345,7 @@ void reduce(Transport& tr, const RankMap& g, const at::Tensor& t, const c10d::Re
   checkReduceOp(op, t, what);
   const int n = g.size(), i = g.myIndex();
   TORCH_CHECK(root >= 0 && root < n, "bytescale ", what, ": root ", root, " outside the group");
+  checkConsistent(tr, g, OpCode::kReduce, t, true, root, what);
   if (i != root) {
     tr.exchange({{P2POp::kSend, g.globalRank(root), contiguousOrSame(t)}}, what)->wait();
     return;
@@ -352,6 +369,99 @@ void reduce(Transport& tr, const RankMap& g, const at::Tensor& t, const c10d::Re
 void barrier(Transport& tr, const RankMap& g, const std::string& what) {
   at::Tensor token = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(tr.deviceType()));
   allReduce(tr, g, token, c10d::ReduceOp(c10d::ReduceOp::SUM), what);
+}
+
+bool checksEnabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("BYTESCALE_CHECK_COLLECTIVES");
+    return !(v && std::string(v) == "0");
+  }();
+  return enabled;
+}
+
+at::Tensor fingerprint(OpCode op, const at::Tensor& t, bool shape_known, int64_t extra) {
+  at::Tensor fp = at::zeros({kFingerprintLen}, at::TensorOptions().dtype(at::kLong));
+  auto* p = fp.data_ptr<int64_t>();
+  p[0] = static_cast<int64_t>(op);
+  p[1] = t.defined() ? static_cast<int64_t>(t.scalar_type()) : -1;
+  if (shape_known && t.defined()) {
+    p[2] = t.numel();
+    p[3] = t.dim();
+    uint64_t h = 1469598103934665603ull;  // FNV-1a over the sizes
+    for (auto d : t.sizes()) h = (h ^ static_cast<uint64_t>(d)) * 1099511628211ull;
+    p[4] = static_cast<int64_t>(h & 0x7fffffffffffffffull);
+  } else {
+    p[2] = p[3] = p[4] = -1;
+  }
+  p[5] = extra;
+  return fp;
+}
+
+namespace {
+const char* opCodeName(int64_t c) {
+  switch (static_cast<OpCode>(c)) {
+    case OpCode::kAllReduce: return "all_reduce";
+    case OpCode::kBroadcast: return "broadcast";
+    case OpCode::kAllGather: return "all_gather";
+    case OpCode::kReduceScatter: return "reduce_scatter";
+    case OpCode::kAllToAll: return "all_to_all";
+    case OpCode::kGather: return "gather";
+    case OpCode::kScatter: return "scatter";
+    case OpCode::kReduce: return "reduce";
+    case OpCode::kBarrier: return "barrier";
+  }
+  return "unknown op";
+}
+std::string describeRow(const int64_t* r) {
+  std::ostringstream os;
+  os << opCodeName(r[0]);
+  if (r[1] >= 0) os << " with dtype " << c10::toString(static_cast<at::ScalarType>(r[1]));
+  if (r[2] >= 0) os << ", " << r[2] << " elements in " << r[3] << " dims";
+  if (r[0] == static_cast<int64_t>(OpCode::kBroadcast) || r[0] == static_cast<int64_t>(OpCode::kReduce) ||
+      r[0] == static_cast<int64_t>(OpCode::kGather) || r[0] == static_cast<int64_t>(OpCode::kScatter))
+    os << ", root " << r[5];
+  else if (r[5] != 0)
+    os << ", reduce op " << r[5];
+  return os.str();
+}
+}  // namespace
+
+void verifyFingerprints(const at::Tensor& table, const RankMap& g, const std::string& what) {
+  at::Tensor t = table.contiguous();
+  const int n = g.size(), me = g.myIndex();
+  const int64_t* rows = t.data_ptr<int64_t>();
+  const int64_t* mine = rows + static_cast<int64_t>(me) * kFingerprintLen;
+  for (int j = 0; j < n; ++j) {
+    const int64_t* r = rows + static_cast<int64_t>(j) * kFingerprintLen;
+    bool same = true;
+    for (int k = 0; k < kFingerprintLen; ++k) same = same && r[k] == mine[k];
+    if (!same) {
+      // Report the mismatch relative to the group's first member so every rank says the same.
+      const int64_t* r0 = rows;
+      int bad = j;
+      for (int q = 0; q < n; ++q) {
+        bool eq = true;
+        for (int k = 0; k < kFingerprintLen; ++k)
+          eq = eq && rows[static_cast<int64_t>(q) * kFingerprintLen + k] == r0[k];
+        if (!eq) {
+          bad = q;
+          break;
+        }
+      }
+      TORCH_CHECK(false, "bytescale ", what, ": collective mismatch across ranks: rank ",
+                  g.globalRank(bad), " called ", describeRow(rows + static_cast<int64_t>(bad) * kFingerprintLen),
+                  " but rank ", g.globalRank(0), " called ", describeRow(r0));
+    }
+  }
+}
+
+void checkConsistent(Transport& tr, const RankMap& g, OpCode op, const at::Tensor& t,
+                     bool shape_known, int64_t extra, const std::string& what) {
+  if (!checksEnabled() || g.size() == 1 || tr.deviceType() != c10::DeviceType::CPU) return;
+  at::Tensor fp = fingerprint(op, t, shape_known, extra);
+  at::Tensor table = at::empty({g.size(), kFingerprintLen}, fp.options());
+  allGatherImpl(tr, g, table, fp, what + " (consistency check)");
+  verifyFingerprints(table, g, what);
 }
 
 }  // namespace group_ops

@@ -50,6 +50,25 @@ void reduce(Transport& tr, const RankMap& g, const at::Tensor& t, const c10d::Re
             int root, const std::string& what);
 void barrier(Transport& tr, const RankMap& g, const std::string& what);
 
+// ---- cross-rank consistency checks ----------------------------------------------------------------
+// Gloo aborts the whole process when a message is larger than the posted receive, so before a
+// collective the members compare a small fingerprint (op, dtype, shape) through a fixed-size
+// all-gather and every member raises the same clear error on a mismatch. On by default for CPU
+// tensors; BYTESCALE_CHECK_COLLECTIVES=0 turns it off.
+constexpr int kFingerprintLen = 6;
+enum class OpCode : int64_t {
+  kAllReduce = 1, kBroadcast, kAllGather, kReduceScatter, kAllToAll, kGather, kScatter, kReduce,
+  kBarrier
+};
+// shape_known=false: only op and dtype are compared (ops whose shapes differ legitimately).
+at::Tensor fingerprint(OpCode op, const at::Tensor& t, bool shape_known, int64_t extra = 0);
+// table: (n, kFingerprintLen) int64 rows in group order. Throws naming the first mismatching rank.
+void verifyFingerprints(const at::Tensor& table, const RankMap& g, const std::string& what);
+// The all-gather + verify over the transport (CPU transports only; a no-op elsewhere).
+void checkConsistent(Transport& tr, const RankMap& g, OpCode op, const at::Tensor& t,
+                     bool shape_known, int64_t extra, const std::string& what);
+bool checksEnabled();
+
 }  // namespace group_ops
 }  // namespace comm
 }  // namespace bytescale
