@@ -7,6 +7,7 @@
 
 #include "comm/backend.h"
 #include "comm/dynamic_group.h"
+#include "comm/group_ops.h"
 #include "comm/schedule.h"
 
 namespace py = pybind11;
@@ -66,6 +67,11 @@ void bind_comm(py::module_& m) {
         return comm::worldTransport(c10::Device(device).type()) != nullptr;
       },
       py::arg("device"));
+
+  m.def("collective_checks_enabled", &comm::group_ops::checksEnabled);
+  m.def("set_collective_checks", &comm::group_ops::setChecksEnabled, py::arg("enabled"),
+        "Turn the cross-rank consistency check of CPU collectives on or off (default on; env "
+        "BYTESCALE_CHECK_COLLECTIVES=0). Set it identically on every rank.");
 
   // Schedules, exposed for tests and introspection.
   m.def(

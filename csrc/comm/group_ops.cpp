@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <numeric>
 #include <sstream>
@@ -371,13 +372,18 @@ void barrier(Transport& tr, const RankMap& g, const std::string& what) {
   allReduce(tr, g, token, c10d::ReduceOp(c10d::ReduceOp::SUM), what);
 }
 
-bool checksEnabled() {
-  static const bool enabled = [] {
+namespace {
+std::atomic<bool>& checksFlag() {
+  static std::atomic<bool> flag{[] {
     const char* v = std::getenv("BYTESCALE_CHECK_COLLECTIVES");
     return !(v && std::string(v) == "0");
-  }();
-  return enabled;
+  }()};
+  return flag;
 }
+}  // namespace
+
+bool checksEnabled() { return checksFlag().load(std::memory_order_relaxed); }
+void setChecksEnabled(bool on) { checksFlag().store(on); }
 
 at::Tensor fingerprint(OpCode op, const at::Tensor& t, bool shape_known, int64_t extra) {
   at::Tensor fp = at::zeros({kFingerprintLen}, at::TensorOptions().dtype(at::kLong));

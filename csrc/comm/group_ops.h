@@ -68,6 +68,8 @@ void verifyFingerprints(const at::Tensor& table, const RankMap& g, const std::st
 void checkConsistent(Transport& tr, const RankMap& g, OpCode op, const at::Tensor& t,
                      bool shape_known, int64_t extra, const std::string& what);
 bool checksEnabled();
+// Every rank must use the same setting (the check is itself a collective).
+void setChecksEnabled(bool on);
 
 }  // namespace group_ops
 }  // namespace comm

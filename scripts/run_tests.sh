@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# All tests: the C++ GoogleTest suite (ctest) and the Python suite (pytest, multi-process tests
+# included). Installs and builds what it needs first (scripts/setup_env.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+
+echo "== C++ tests (GoogleTest) =="
+cmake -S . -B build-cpp -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build-cpp
+ctest --test-dir build-cpp --output-on-failure
+
+echo "== Python tests (pytest) =="
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+python3 -m pytest tests -q "$@"
