@@ -1,0 +1,155 @@
+"""A small Llama-style decoder for packed variable-length input.
+
+Input is one packed micro-batch: ``input_ids`` (T,) and ``position_ids`` (T,) (each token's position
+inside its own document, so RoPE is right for sharded zig-zag chunks too). Attention goes through
+:func:`bytescale.attention.attention`, which reads the current micro-batch layout (local documents:
+varlen attention; the sharded document: ring attention on its dynamic group). Without a layout the
+model treats its input as one causal document.
+
+Structure (per layer): RMSNorm -> GQA attention with RoPE -> residual -> RMSNorm -> SwiGLU MLP ->
+residual. Sizes are set by :class:`LlamaConfig`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 512
+    dim: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 344
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"LlamaConfig: dim {self.dim} not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"LlamaConfig: n_heads {self.n_heads} not a multiple of n_kv_heads {self.n_kv_heads}"
+            )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.to(x.dtype) * self.weight
+
+
+def rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of x (T, H, D) at integer positions (T,)."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float64) / d))
+    ang = position_ids.to(torch.float64)[:, None] * inv[None, :]  # (T, D/2)
+    cos = ang.cos().to(x.dtype)[:, None, :]
+    sin = ang.sin().to(x.dtype)[:, None, :]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2)
+
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, attn_fn: AttentionFn) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.attn_fn = attn_fn
+        hd = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        hd = self.cfg.head_dim
+        q = self.wq(x).view(T, self.cfg.n_heads, hd)
+        k = self.wk(x).view(T, self.cfg.n_kv_heads, hd)
+        v = self.wv(x).view(T, self.cfg.n_kv_heads, hd)
+        q = rope(q, position_ids, self.cfg.rope_theta)
+        k = rope(k, position_ids, self.cfg.rope_theta)
+        o = self.attn_fn(q, k, v, 1.0 / math.sqrt(hd))
+        return self.wo(o.reshape(T, self.cfg.n_heads * hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig, attn_fn: AttentionFn) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg, attn_fn)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), position_ids)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def _default_attention(q, k, v, scale):
+    from ..microbatch import attention
+
+    return attention(q, k, v, softmax_scale=scale)
+
+
+class Llama(nn.Module):
+    """Llama-style decoder over a packed micro-batch: ``forward(input_ids, position_ids) -> logits``."""
+
+    def __init__(self, cfg: LlamaConfig, attn_fn: Optional[AttentionFn] = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        fn = attn_fn or _default_attention
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, fn) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if input_ids.dim() != 1:
+            raise ValueError(
+                f"Llama expects packed 1-D input_ids (T,), got shape {tuple(input_ids.shape)}"
+            )
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[0], device=input_ids.device)
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x, position_ids)
+        return self.lm_head(self.norm(x))

@@ -1,0 +1,187 @@
+"""HybridDataParallel: the model replicated over every HDP rank, gradients synchronised once a step.
+
+Under hybrid data parallelism each rank runs however many micro-batches the plan gives it (zero
+included), accumulating gradients locally. On the LAST micro-batch's backward, gradient buckets
+(DDP-style, in reverse parameter order) are all-reduced asynchronously as soon as they are
+complete, overlapping the rest of that backward; :meth:`HybridDataParallel.finish_step` launches
+what is left (a rank with no micro-batch contributes zeros), waits, and writes the summed gradients
+back. Buckets always start in the same order on every rank, so the collectives match.
+
+The reduction is a SUM: combined with :func:`bytescale.loss.token_level_loss` (divide by the global
+number of loss tokens) the result equals single-device training on the global batch.
+
+Usage::
+
+    model = HybridDataParallel(model)
+    for step in loader:                       # bytescale.data.HDPLoader
+        mbs = step.micro_batches
+        for i, mb in enumerate(mbs):
+            with model.micro_batch(mb.layout, last=(i == len(mbs) - 1)):
+                logits = model(mb.input_ids, mb.position_ids)
+                token_level_loss(logits, mb.labels, step.global_loss_tokens).backward()
+        model.finish_step()
+        opt.step(); opt.zero_grad()
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .microbatch import micro_batch_context
+
+__all__ = ["HybridDataParallel"]
+
+
+@dataclass
+class _Bucket:
+    params: List[nn.Parameter]
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+    ready: int = 0
+    buffer: Optional[torch.Tensor] = None
+    work: Optional[object] = None
+    launched: bool = False
+    offsets: List[int] = field(default_factory=list)
+
+
+class HybridDataParallel(nn.Module):
+    """Wrap ``module`` for HDP training (see module docstring).
+
+    Args:
+        module: the model (parameters replicated on every rank).
+        process_group: the group gradients are summed over (default: the world).
+        bucket_cap_mb: gradient bucket size.
+        broadcast_parameters: broadcast parameters and buffers from rank 0 at construction so all
+            replicas start identical.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: Optional[dist.ProcessGroup] = None,
+        bucket_cap_mb: float = 25.0,
+        broadcast_parameters: bool = True,
+    ) -> None:
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("HybridDataParallel: call dist.init_process_group first")
+        self.module = module
+        self.process_group = process_group
+        self._sync = False
+        self._in_step = False
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("HybridDataParallel: the module has no trainable parameters")
+        if broadcast_parameters:
+            with torch.no_grad():
+                for t in list(module.parameters()) + list(module.buffers()):
+                    dist.broadcast(t.data, src=self._global_src(), group=process_group)
+        # DDP-style buckets in reverse registration order (roughly the order grads become ready).
+        cap = max(1, int(bucket_cap_mb * 1024 * 1024))
+        self._buckets: List[_Bucket] = []
+        cur: List[nn.Parameter] = []
+        cur_bytes = 0
+        for p in reversed(params):
+            if cur and (cur_bytes + p.numel() * p.element_size() > cap or p.dtype != cur[0].dtype
+                        or p.device != cur[0].device):
+                self._buckets.append(self._make_bucket(cur))
+                cur, cur_bytes = [], 0
+            cur.append(p)
+            cur_bytes += p.numel() * p.element_size()
+        if cur:
+            self._buckets.append(self._make_bucket(cur))
+        self._bucket_of = {}
+        for bi, b in enumerate(self._buckets):
+            for p in b.params:
+                self._bucket_of[p] = bi
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._next_launch = 0
+
+    def _global_src(self) -> int:
+        if self.process_group is None:
+            return 0
+        return dist.get_global_rank(self.process_group, 0)
+
+    @staticmethod
+    def _make_bucket(params: List[nn.Parameter]) -> _Bucket:
+        offsets, n = [], 0
+        for p in params:
+            offsets.append(n)
+            n += p.numel()
+        return _Bucket(params=params, numel=n, dtype=params[0].dtype, device=params[0].device,
+                       offsets=offsets)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def micro_batch(self, layout=None, last: bool = False) -> Iterator[None]:
+        """Run one micro-batch (forward AND backward inside the block) under ``layout``.
+
+        ``last=True`` on the rank's final micro-batch of the step: its backward starts the
+        gradient all-reduce, bucket by bucket.
+        """
+        if not self._in_step:
+            self._start_step()
+        self._sync = last
+        try:
+            with micro_batch_context(layout):
+                yield
+        finally:
+            self._sync = False
+
+    def _start_step(self) -> None:
+        self._in_step = True
+        self._next_launch = 0
+        for b in self._buckets:
+            b.ready, b.work, b.launched, b.buffer = 0, None, False, None
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        b = self._buckets[self._bucket_of[p]]
+        b.ready += 1
+        self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        # Launch in bucket order only, so every rank issues the same collective sequence.
+        while self._next_launch < len(self._buckets):
+            b = self._buckets[self._next_launch]
+            if not force and b.ready < len(b.params):
+                return
+            self._launch(b)
+            self._next_launch += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        buf = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+        for p, off in zip(b.params, b.offsets):
+            view = buf[off:off + p.numel()]
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad.reshape(-1))
+        b.buffer = buf
+        b.work = dist.all_reduce(buf, group=self.process_group, async_op=True)
+        b.launched = True
+
+    def finish_step(self) -> None:
+        """Finish the step's gradient synchronisation (call once per step on every rank)."""
+        if not self._in_step:
+            self._start_step()  # a rank with no micro-batch this step
+        self._launch_ready(force=True)
+        for b in self._buckets:
+            b.work.wait()
+            for p, off in zip(b.params, b.offsets):
+                g = b.buffer[off:off + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+            b.buffer, b.work = None, None
+        self._in_step = False
