@@ -10,7 +10,9 @@ the same ranks is the native reference, timed interleaved in the same processes.
     world group (bytescale: Gloo natives for all_reduce/all_gather, bytescale's ring for
     reduce_scatter), and all_reduce on a dynamic group of all ranks (bytescale's ring) vs gloo.
 Ratios are bytescale time / gloo time (1.00 = parity; lower is better), with bytescale's cross-rank
-consistency check on (the default) and off. Medians over ``reps``.
+consistency check on (the default) and off. Each sample times a loop of 10 (<= 64 KiB) or 3 ops
+between barriers; the three variants are sampled interleaved; medians over ``reps`` samples.
+(Barrier time is included in every variant alike.)
 GPU (``--cuda``, one process): the NCCL transport against torch's nccl backend at world size 1.
 """
 from __future__ import annotations
@@ -96,14 +98,22 @@ def _worker(rank: int, world: int, reps: int, store_path: str, out_path: str) ->
         }
         cases["all_reduce (dynamic group ring)"] = lambda g: dist.all_reduce(
             x, group=dyn_all if g is None else g)
+        inner = 10 if size <= (64 << 10) else 3
         for name, fn in cases.items():
             fn(None), fn(gloo)  # warm up
+            samples = {"checked": [], "unchecked": [], "gloo": []}
+            for _ in range(reps):  # interleaved, so drift and noise hit all three alike
+                for mode in ("checked", "unchecked", "gloo"):
+                    _C.comm.set_collective_checks(mode != "unchecked")
+                    g = gloo if mode == "gloo" else None
+                    barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(inner):
+                        fn(g)
+                    barrier()
+                    samples[mode].append((time.perf_counter() - t0) / inner)
             _C.comm.set_collective_checks(True)
-            tb = _median_time(lambda: fn(None), reps, barrier)
-            _C.comm.set_collective_checks(False)
-            tu = _median_time(lambda: fn(None), reps, barrier)
-            _C.comm.set_collective_checks(True)
-            tg = _median_time(lambda: fn(gloo), reps, barrier)
+            tb, tu, tg = (statistics.median(samples[m]) for m in ("checked", "unchecked", "gloo"))
             rows.append((name, size, tb, tu, tg))
     if rank == 0:
         torch.save(rows, out_path)

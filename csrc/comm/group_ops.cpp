@@ -19,6 +19,9 @@ using RedOp = c10d::ReduceOp::RedOpType;
 // Below this many bytes an all-reduce gathers whole tensors (one ring pass of small messages)
 // instead of reduce-scatter + all-gather (two passes).
 constexpr int64_t kSmallAllReduceBytes = 64 * 1024;
+// Groups up to this size exchange consistency fingerprints all-to-all in one round trip; larger
+// ones use the ring all-gather (n-1 steps, but O(n) messages per rank instead of O(n^2) in all).
+constexpr int kOneShotCheckMax = 16;
 
 at::Tensor block(const at::Tensor& flat, int64_t total, int n, int j) {
   int64_t s = blockStart(total, n, j), e = blockStart(total, n, j + 1);
@@ -466,7 +469,20 @@ void checkConsistent(Transport& tr, const RankMap& g, OpCode op, const at::Tenso
   if (!checksEnabled() || g.size() == 1 || tr.deviceType() != c10::DeviceType::CPU) return;
   at::Tensor fp = fingerprint(op, t, shape_known, extra);
   at::Tensor table = at::empty({g.size(), kFingerprintLen}, fp.options());
-  allGatherImpl(tr, g, table, fp, what + " (consistency check)");
+  if (g.size() <= kOneShotCheckMax) {
+    // One round trip: every member sends its fingerprint to every other member at once.
+    const int me = g.myIndex();
+    table[me].copy_(fp);
+    std::vector<P2POp> ops;
+    for (int j = 0; j < g.size(); ++j) {
+      if (j == me) continue;
+      ops.push_back({P2POp::kSend, g.globalRank(j), fp});
+      ops.push_back({P2POp::kRecv, g.globalRank(j), table[j]});
+    }
+    tr.exchange(ops, what + " (consistency check)")->wait();
+  } else {
+    allGatherImpl(tr, g, table, fp, what + " (consistency check)");
+  }
   verifyFingerprints(table, g, what);
 }
 
