@@ -1,0 +1,206 @@
+"""Python face of the C++ HDP planner (csrc/planner/).
+
+    plan = bytescale.plan(lengths, world_size=64, capacity=16384)
+    plan.imbalance                 # predicted max/mean rank time
+    plan.micro_batches(rank)       # this rank's micro-batches, ring ones first
+
+Strategies: ``"balanced"`` (ours: time-balanced, D(s) chosen by cost as well as memory, speed-aware
+LPT for short sequences), ``"naive"`` (the paper's Alg. 1: memory-driven, token-balanced) and
+``"pow2"`` (Megatron-style dynamic CP: D rounded up to a power of two) for comparison.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _C
+
+__all__ = ["CostModel", "Plan", "PlannedMicroBatch", "load_cost_model", "plan", "hdp_plan_fn"]
+
+CostModel = _C.planner.CostModel
+
+
+def load_cost_model(source: Union[str, os.PathLike, Dict[str, Any], None] = None) -> CostModel:
+    """A cost model from a JSON profile path, a dict of coefficients, or the defaults (None)."""
+    if source is None:
+        return CostModel()
+    if isinstance(source, dict):
+        return CostModel.from_json(json.dumps(source))
+    with open(source) as f:
+        return CostModel.from_json(f.read())
+
+
+@dataclass(frozen=True)
+class PlannedMicroBatch:
+    """One micro-batch of one rank.
+
+    ``segments``: tuples (sequence index in the batch, ring size, ring position, tokens held).
+    ``group``: ordered global ranks of the ring (empty for a local micro-batch).
+    """
+
+    segments: Tuple[Tuple[int, int, int, int], ...]
+    group: Tuple[int, ...]
+    offload_ratio: float
+    predicted_time: float
+
+    @property
+    def is_ring(self) -> bool:
+        return len(self.group) > 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s[3] for s in self.segments)
+
+
+class Plan:
+    """A step's plan (wraps the C++ Plan; its arrays are zero-copy read-only numpy views)."""
+
+    def __init__(self, cplan: "_C.planner.Plan", lengths: Optional[np.ndarray] = None) -> None:
+        self._p = cplan
+        self.lengths = lengths
+
+    # predictions
+    @property
+    def imbalance(self) -> float:
+        """Predicted max / mean rank time."""
+        return self._p.imbalance
+
+    @property
+    def makespan(self) -> float:
+        return self._p.makespan
+
+    @property
+    def lower_bound(self) -> float:
+        """max(total work / total speed, largest indivisible piece) under the cost model."""
+        return self._p.lower_bound
+
+    @property
+    def rank_cost(self) -> np.ndarray:
+        return self._p.rank_cost
+
+    @property
+    def world_size(self) -> int:
+        return self._p.world_size
+
+    @property
+    def strategy(self) -> str:
+        return self._p.strategy
+
+    @property
+    def raw(self) -> "_C.planner.Plan":
+        """The C++ plan (flat arrays: rank_mb, mb_seg, mb_grp, seg_seq, ...)."""
+        return self._p
+
+    def num_micro_batches(self, rank: Optional[int] = None) -> Union[int, np.ndarray]:
+        counts = np.diff(self._p.rank_mb)
+        return counts if rank is None else int(counts[rank])
+
+    def micro_batches(self, rank: int) -> List[PlannedMicroBatch]:
+        return [
+            PlannedMicroBatch(tuple(tuple(s) for s in segs), tuple(group), float(r), float(c))
+            for segs, group, r, c in self._p.rank_micro_batches(rank)
+        ]
+
+    def ring_sizes(self) -> Dict[int, int]:
+        """Sequence index -> number of ranks it is sharded over (sharded sequences only)."""
+        p = self._p
+        out: Dict[int, int] = {}
+        for k in range(len(p.seg_seq)):
+            if p.seg_ring_size[k] > 1:
+                out[int(p.seg_seq[k])] = int(p.seg_ring_size[k])
+        return out
+
+    def to_bytes(self) -> bytes:
+        return self._p.to_bytes()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Plan":
+        return cls(_C.planner.Plan.from_bytes(data))
+
+    def summary(self) -> str:
+        mbs = self.num_micro_batches()
+        rings = self.ring_sizes()
+        return (f"plan[{self.strategy}] ranks={self.world_size} micro-batches/rank "
+                f"min={int(mbs.min()) if len(mbs) else 0} max={int(mbs.max()) if len(mbs) else 0} "
+                f"sharded={len(rings)} ring sizes={sorted(rings.values(), reverse=True)[:8]} "
+                f"predicted imbalance={self.imbalance:.3f} makespan={self.makespan * 1e3:.2f} ms "
+                f"lower bound={self.lower_bound * 1e3:.2f} ms")
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+
+def _options(world_size: int, capacity: int, strategy: str, offload: bool, cost: Any,
+             speed: Optional[Sequence[float]], memory: Optional[Sequence[float]]) -> "_C.planner.PlanOptions":
+    o = _C.planner.PlanOptions()
+    o.world_size = int(world_size)
+    o.capacity = int(capacity)
+    o.strategy = strategy
+    o.offload = bool(offload)
+    o.cost = cost if isinstance(cost, CostModel) else load_cost_model(cost)
+    if speed is not None:
+        o.speed = [float(x) for x in speed]
+    if memory is not None:
+        o.memory = [float(x) for x in memory]
+    return o
+
+
+def plan(
+    lengths: Sequence[int],
+    world_size: int,
+    capacity: int,
+    strategy: str = "balanced",
+    offload: bool = False,
+    cost: Any = None,
+    speed: Optional[Sequence[float]] = None,
+    memory: Optional[Sequence[float]] = None,
+    verify: bool = False,
+) -> Plan:
+    """Plan one global batch.
+
+    Args:
+        lengths: sequence lengths (positive ints), in batch order; plans refer to positions.
+        world_size: HDP ranks.
+        capacity: tokens per micro-batch per rank (before ``memory`` multipliers).
+        strategy: "balanced" | "naive" | "pow2".
+        offload: let long sequences offload activations (paper Eq. 3) to use fewer ranks.
+        cost: a CostModel, a JSON profile path, a dict of coefficients, or None (defaults).
+        speed: per-rank relative speeds (heterogeneous clusters).
+        memory: per-rank capacity multipliers.
+        verify: re-check every invariant in C++ after planning (tests, debugging).
+    Raises:
+        ValueError: bad input (non-positive lengths, a sequence needing more ranks than exist, ...).
+    """
+    arr = np.ascontiguousarray(np.asarray(lengths, dtype=np.int64).reshape(-1))
+    opts = _options(world_size, capacity, strategy, offload, cost, speed, memory)
+    p = Plan(_C.planner.make_plan(arr, opts), arr)
+    if verify:
+        p.raw.verify(arr.tolist(), opts)
+    return p
+
+
+def hdp_plan_fn(world_size: int, capacity: int, **options: Any):
+    """A ``plan_fn`` for :class:`bytescale.data.HDPLoader` backed by :func:`plan`."""
+    from .data.loader import MicroBatchSpec, SequenceSpec
+
+    def plan_fn(lengths: List[int]):
+        p = plan(lengths, world_size=world_size, capacity=capacity, **options)
+
+        def specs_for_rank(rank: int) -> List[MicroBatchSpec]:
+            out = []
+            for mb in p.micro_batches(rank):
+                local, sharded = [], []
+                for seq, size, pos, _tok in mb.segments:
+                    spec = SequenceSpec(int(seq), int(lengths[seq]), int(size), int(pos))
+                    (sharded if size > 1 else local).append(spec)
+                out.append(MicroBatchSpec(local=local, sharded=sharded, group=mb.group,
+                                          offload_ratio=mb.offload_ratio))
+            return out
+
+        return p, specs_for_rank
+
+    return plan_fn
