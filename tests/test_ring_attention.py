@@ -1,0 +1,150 @@
+"""Ring attention on dynamic groups against float64 attention on the full documents.
+
+Every rank builds the same full documents (seeded), keeps its zig-zag shard, runs ring attention
+over the group with real processes and the bytescale backend, and compares its output and q/k/v
+gradients with the shards of plain full-document attention (microbatch.reference_varlen_attention).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bytescale.microbatch import reference_varlen_attention
+from bytescale.ring import RingLayout, ring_attention, shard, unshard, varlen_attention
+from dist_utils import run_distributed
+
+CASES = [
+    # (sharded doc lengths, local doc lengths, Hq, Hkv, D, causal)
+    ([37], [], 4, 4, 16, True),
+    ([101, 3, 58], [9, 1], 8, 2, 8, True),   # GQA 4:1, docs shorter than 2N, local + sharded
+    ([64, 17], [5], 8, 1, 16, False),         # MQA 8:1, non-causal
+    ([1, 2], [], 2, 2, 8, True),              # every doc shorter than 2N for N >= 2
+]
+
+
+def _full(seed, lens, hq, hkv, d, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    mk = lambda h: torch.randn(T, h, d, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
+    return mk(hq), mk(hkv), mk(hkv), mk(hq)
+
+
+def _ring_case(rank, world, ranks, case, seed, dtype):
+    sh_lens, loc_lens, hq, hkv, d, causal = case
+    if rank not in ranks:
+        return None
+    n, pos = len(ranks), ranks.index(rank)
+    q, k, v, dout = _full(seed, sh_lens, hq, hkv, d)
+    ql, kl, vl, doutl = _full(seed + 1000 * rank, loc_lens, hq, hkv, d)  # this rank's own local docs
+    # inputs of this rank: local docs, then its shard of the sharded docs
+    qs = torch.cat([ql, shard(q, sh_lens, n, pos)]).to(dtype).requires_grad_()
+    ks = torch.cat([kl, shard(k, sh_lens, n, pos)]).to(dtype).requires_grad_()
+    vs = torch.cat([vl, shard(v, sh_lens, n, pos)]).to(dtype).requires_grad_()
+    ds = torch.cat([doutl, shard(dout, sh_lens, n, pos)]).to(dtype)
+    layout = RingLayout(loc_lens, sh_lens, ranks)
+    out = layout.attention(qs, ks, vs, causal=causal)
+    gq, gk, gv = torch.autograd.grad(out, (qs, ks, vs), ds)
+    # references in float64 on the full documents
+    outs, grads = [], []
+    for qq, kk, vv, dd, lens, sel in ((ql, kl, vl, doutl, loc_lens, None), (q, k, v, dout, sh_lens, (n, pos))):
+        if not lens:
+            continue
+        qq, kk, vv = (t.clone().requires_grad_() for t in (qq, kk, vv))
+        r = reference_varlen_attention(qq, kk, vv, lens, causal=causal)
+        rg = torch.autograd.grad(r, (qq, kk, vv), dd)
+        if sel is not None:
+            r = shard(r, lens, *sel)
+            rg = tuple(shard(t, lens, *sel) for t in rg)
+        outs.append(r.detach())
+        grads.append(rg)
+    ref_out = torch.cat(outs)
+    ref_g = [torch.cat([g[i] for g in grads]) for i in range(3)]
+    return (out.detach().double(), ref_out, [t.double() for t in (gq, gk, gv)], ref_g)
+
+
+def _run_all(rank, world, dtype_name):
+    dtype = getattr(torch, dtype_name)
+    results = []
+    groups = [list(range(world)), list(reversed(range(world)))]
+    if world >= 3:
+        groups.append([world - 1, 0])  # a 2-member ring inside a larger world
+    for gi, ranks in enumerate(groups):
+        for ci, case in enumerate(CASES):
+            results.append(_ring_case(rank, world, ranks, case, 10 * gi + ci, dtype))
+    return results
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_ring_attention_matches_float64_reference(world):
+    per_rank = run_distributed(_run_all, world, "float64", timeout=300)
+    checked = 0
+    for results in per_rank:
+        for res in results:
+            if res is None:
+                continue
+            out, ref, g, rg = res
+            torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+            for a, b in zip(g, rg):
+                torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+            checked += 1
+    assert checked > 0
+
+
+def test_ring_attention_fp32_and_bf16_tolerances():
+    per_rank = run_distributed(_run_all, 3, "float32", timeout=300)
+    for results in per_rank:
+        for res in results:
+            if res is None:
+                continue
+            out, ref, g, rg = res
+            torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+            for a, b in zip(g, rg):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    per_rank = run_distributed(_run_all, 2, "bfloat16", timeout=300)
+    for results in per_rank:
+        for res in results:
+            if res is None:
+                continue
+            out, ref, g, rg = res
+            # bf16 inputs (8-bit mantissa): outputs within 3e-2, gradients within 6e-2 (abs)
+            torch.testing.assert_close(out, ref, rtol=3e-2, atol=3e-2)
+            for a, b in zip(g, rg):
+                torch.testing.assert_close(a, b, rtol=6e-2, atol=6e-2)
+
+
+def _determinism(rank, world):
+    case = CASES[1]
+    a = _ring_case(rank, world, list(range(world)), case, 3, torch.float32)
+    b = _ring_case(rank, world, list(range(world)), case, 3, torch.float32)
+    return all(torch.equal(x, y) for x, y in zip([a[0]] + a[2], [b[0]] + b[2]))
+
+
+def test_ring_attention_is_deterministic():
+    assert all(run_distributed(_determinism, 3))
+
+
+def test_shard_unshard_roundtrip_and_layout_errors():
+    lens = [7, 1, 30]
+    x = torch.arange(sum(lens))
+    for n in (1, 2, 3, 5):
+        assert torch.equal(unshard([shard(x, lens, n, p) for p in range(n)], lens), x)
+    lay = RingLayout([3], [10], ranks=[4, 2], rank=2)
+    assert lay.pos == 1 and lay.num_tokens == 3 + 5
+    with pytest.raises(ValueError, match="not in the ring"):
+        RingLayout([], [10], ranks=[0, 1], rank=5)
+    with pytest.raises(ValueError, match="layout holds"):
+        lay.attention(torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8))
+    with pytest.raises(RuntimeError, match="multiple of"):
+        varlen_attention(torch.randn(5, 3, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8), [5])
+    with pytest.raises(RuntimeError, match="sum to"):
+        varlen_attention(torch.randn(5, 2, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8), [4])
+
+
+def test_opcheck_and_compile():
+    q = torch.randn(12, 4, 8, requires_grad=True)
+    k = torch.randn(12, 2, 8, requires_grad=True)
+    v = torch.randn(12, 2, 8, requires_grad=True)
+    torch.library.opcheck(torch.ops.bytescale.varlen_attn_fwd.default, (q, k, v, [5, 7], True, 0.0))
+    f = torch.compile(lambda a, b, c: varlen_attention(a, b, c, [5, 7]).sum(), backend="eager", fullgraph=True)
+    f(q, k, v).backward()
+    assert q.grad is not None
