@@ -121,9 +121,32 @@ void BytescaleBackend::eagerConnectSingleDevice(at::Device device) {
 
 void BytescaleBackend::check(c10::DeviceType dt, int op, const at::Tensor& t, bool shape_known,
                              int64_t extra, const std::string& what) {
-  if (dt != c10::DeviceType::CPU) return;
-  group_ops::checkConsistent(*cpu_, *world_, static_cast<group_ops::OpCode>(op), t, shape_known,
-                             extra, what);
+  if (dt != c10::DeviceType::CPU || !group_ops::checksEnabled() || getSize() == 1) return;
+  // Through Gloo's own all-gather (fixed size, so it cannot mismatch), NOT bytescale's P2P
+  // channel: world collectives may be issued while ring attention's P2P traffic is in flight
+  // (e.g. DDP-style gradient buckets during a ring micro-batch's backward), and only Gloo's
+  // collective ordering is common to all ranks then.
+  at::Tensor fp = group_ops::fingerprint(static_cast<group_ops::OpCode>(op), t, shape_known, extra);
+  at::Tensor flat = at::empty({getSize() * group_ops::kFingerprintLen}, fp.options());
+  gloo_->_allgather_base(flat, fp)->wait();
+  group_ops::verifyFingerprints(flat.view({getSize(), group_ops::kFingerprintLen}), *world_, what);
+}
+
+template <typename F>
+c10::intrusive_ptr<c10d::Work> BytescaleBackend::checked(c10::DeviceType dt,
+                                                          const std::string& what,
+                                                          std::vector<Fingerprint> fps,
+                                                          std::vector<at::Tensor> outs, F launch) {
+  if (dt != c10::DeviceType::CPU || !group_ops::checksEnabled() || getSize() == 1) return launch();
+  TORCH_CHECK(!shut_down_, "bytescale ", what, ": the backend has been shut down");
+  // The check is a blocking exchange, so the check AND the Gloo collective run on the CPU
+  // transport's worker thread: the caller never blocks (a collective issued from an autograd hook
+  // while a peer is still in ring attention must not stall this rank's own ring traffic), and
+  // all checked collectives keep one order per rank.
+  return cpu_->run(what, std::move(outs), [this, dt, what, fps = std::move(fps), launch]() mutable {
+    for (const auto& f : fps) check(dt, f.op, f.t, f.shape_known, f.extra, what);
+    launch()->wait();
+  });
 }
 
 template <typename F>
@@ -139,8 +162,12 @@ c10::intrusive_ptr<c10d::Work> BytescaleBackend::viaGroupOps(const std::string& 
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                            const c10d::BroadcastOptions& opts) {
   auto dt = deviceTypeOf(tensors, "broadcast");
-  for (const auto& t : tensors) check(dt, static_cast<int>(group_ops::OpCode::kBroadcast), t, true, opts.rootRank, "broadcast");
-  return native(dt, "broadcast").broadcast(tensors, opts);
+  auto& nat = native(dt, "broadcast");
+  std::vector<Fingerprint> fps;
+  for (const auto& t : tensors) fps.push_back({static_cast<int>(group_ops::OpCode::kBroadcast), t, true, opts.rootRank});
+  return checked(dt, "broadcast", fps, tensors, [&nat, tensors, opts]() mutable {
+    return nat.broadcast(tensors, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::allreduce(std::vector<at::Tensor>& tensors,
@@ -154,17 +181,24 @@ c10::intrusive_ptr<c10d::Work> BytescaleBackend::allreduce(std::vector<at::Tenso
       for (const auto& t : tensors) group_ops::allReduce(tr, g, t, op, what);
     });
   }
-  for (const auto& t : tensors) check(dt, static_cast<int>(group_ops::OpCode::kAllReduce), t, true, opts.reduceOp.op_, "all_reduce");
-  return native(dt, "all_reduce").allreduce(tensors, opts);
+  auto& nat = native(dt, "all_reduce");
+  std::vector<Fingerprint> fps;
+  for (const auto& t : tensors) fps.push_back({static_cast<int>(group_ops::OpCode::kAllReduce), t, true, opts.reduceOp.op_});
+  return checked(dt, "all_reduce", fps, tensors, [&nat, tensors, opts]() mutable {
+    return nat.allreduce(tensors, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   auto dt = deviceTypeOf(tensors, "all_reduce_coalesced");
   if (!isCuda(dt) && needsGroupOps(opts.reduceOp)) return allreduce(tensors, opts);
-  for (const auto& t : tensors)
-    check(dt, static_cast<int>(group_ops::OpCode::kAllReduce), t, true, opts.reduceOp.op_, "all_reduce_coalesced");
-  return native(dt, "all_reduce_coalesced").allreduce_coalesced(tensors, opts);
+  auto& nat = native(dt, "all_reduce_coalesced");
+  std::vector<Fingerprint> fps;
+  for (const auto& t : tensors) fps.push_back({static_cast<int>(group_ops::OpCode::kAllReduce), t, true, opts.reduceOp.op_});
+  return checked(dt, "all_reduce_coalesced", fps, tensors, [&nat, tensors, opts]() mutable {
+    return nat.allreduce_coalesced(tensors, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::reduce(std::vector<at::Tensor>& tensors,
@@ -178,16 +212,26 @@ c10::intrusive_ptr<c10d::Work> BytescaleBackend::reduce(std::vector<at::Tensor>&
       for (const auto& t : tensors) group_ops::reduce(tr, g, t, op, root, what);
     });
   }
-  for (const auto& t : tensors) check(dt, static_cast<int>(group_ops::OpCode::kReduce), t, true, opts.rootRank, "reduce");
-  return native(dt, "reduce").reduce(tensors, opts);
+  auto& nat = native(dt, "reduce");
+  std::vector<Fingerprint> fps;
+  for (const auto& t : tensors) fps.push_back({static_cast<int>(group_ops::OpCode::kReduce), t, true, opts.rootRank});
+  return checked(dt, "reduce", fps, tensors, [&nat, tensors, opts]() mutable {
+    return nat.reduce(tensors, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   auto dt = deviceTypeOf(inputs, "all_gather");
-  for (const auto& t : inputs) check(dt, static_cast<int>(group_ops::OpCode::kAllGather), t, true, 0, "all_gather");
-  return native(dt, "all_gather").allgather(outputs, inputs, opts);
+  auto& nat = native(dt, "all_gather");
+  std::vector<Fingerprint> fps;
+  for (const auto& t : inputs) fps.push_back({static_cast<int>(group_ops::OpCode::kAllGather), t, true, 0});
+  std::vector<at::Tensor> outs;
+  for (const auto& l : outputs) outs.insert(outs.end(), l.begin(), l.end());
+  return checked(dt, "all_gather", fps, outs, [&nat, outputs, inputs, opts]() mutable {
+    return nat.allgather(outputs, inputs, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::_allgather_base(
@@ -196,16 +240,23 @@ c10::intrusive_ptr<c10d::Work> BytescaleBackend::_allgather_base(
   TORCH_CHECK(output.numel() == input.numel() * getSize(), "bytescale all_gather_into_tensor: "
               "output has ", output.numel(), " elements but world size ", getSize(), " x input ",
               input.sizes(), " needs ", input.numel() * getSize());
-  check(dt, static_cast<int>(group_ops::OpCode::kAllGather), input, true, 0, "all_gather_into_tensor");
-  return native(dt, "all_gather_into_tensor")._allgather_base(output, input, opts);
+  auto& nat = native(dt, "all_gather_into_tensor");
+  return checked(dt, "all_gather_into_tensor", {{static_cast<int>(group_ops::OpCode::kAllGather), input, true, 0}}, {output},
+                 [&nat, output, input, opts]() mutable { return nat._allgather_base(output, input, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   auto dt = deviceTypeOf(inputs, "all_gather_coalesced");
-  for (const auto& t : inputs) check(dt, static_cast<int>(group_ops::OpCode::kAllGather), t, true, 0, "all_gather_coalesced");
-  return native(dt, "all_gather_coalesced").allgather_coalesced(outputs, inputs, opts);
+  auto& nat = native(dt, "all_gather_coalesced");
+  std::vector<Fingerprint> fps;
+  for (const auto& t : inputs) fps.push_back({static_cast<int>(group_ops::OpCode::kAllGather), t, true, 0});
+  std::vector<at::Tensor> outs;
+  for (const auto& l : outputs) outs.insert(outs.end(), l.begin(), l.end());
+  return checked(dt, "all_gather_coalesced", fps, outs, [&nat, outputs, inputs, opts]() mutable {
+    return nat.allgather_coalesced(outputs, inputs, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::allgather_into_tensor_coalesced(
@@ -226,16 +277,26 @@ c10::intrusive_ptr<c10d::Work> BytescaleBackend::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
   auto dt = deviceTypeOf(inputs, "gather");
-  for (const auto& t : inputs) check(dt, static_cast<int>(group_ops::OpCode::kGather), t, true, opts.rootRank, "gather");
-  return native(dt, "gather").gather(outputs, inputs, opts);
+  auto& nat = native(dt, "gather");
+  std::vector<Fingerprint> fps;
+  for (const auto& t : inputs) fps.push_back({static_cast<int>(group_ops::OpCode::kGather), t, true, opts.rootRank});
+  std::vector<at::Tensor> outs;
+  for (const auto& l : outputs) outs.insert(outs.end(), l.begin(), l.end());
+  return checked(dt, "gather", fps, outs, [&nat, outputs, inputs, opts]() mutable {
+    return nat.gather(outputs, inputs, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
   auto dt = deviceTypeOf(outputs, "scatter");
-  for (const auto& t : outputs) check(dt, static_cast<int>(group_ops::OpCode::kScatter), t, true, opts.rootRank, "scatter");
-  return native(dt, "scatter").scatter(outputs, inputs, opts);
+  auto& nat = native(dt, "scatter");
+  std::vector<Fingerprint> fps;
+  for (const auto& t : outputs) fps.push_back({static_cast<int>(group_ops::OpCode::kScatter), t, true, opts.rootRank});
+  return checked(dt, "scatter", fps, outputs, [&nat, outputs, inputs, opts]() mutable {
+    return nat.scatter(outputs, inputs, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::reduce_scatter(
@@ -293,9 +354,11 @@ c10::intrusive_ptr<c10d::Work> BytescaleBackend::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
     std::vector<int64_t>& input_splits, const c10d::AllToAllOptions& opts) {
   auto dt = deviceTypeOf({output, input}, "all_to_all_single");
-  check(dt, static_cast<int>(group_ops::OpCode::kAllToAll), input, false, 0, "all_to_all_single");
-  return native(dt, "all_to_all_single")
-      .alltoall_base(output, input, output_splits, input_splits, opts);
+  auto& nat = native(dt, "all_to_all_single");
+  return checked(dt, "all_to_all_single", {{static_cast<int>(group_ops::OpCode::kAllToAll), input, false, 0}}, {output},
+                 [&nat, output, input, output_splits, input_splits, opts]() mutable {
+                   return nat.alltoall_base(output, input, output_splits, input_splits, opts);
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::alltoall(std::vector<at::Tensor>& outputs,
@@ -355,7 +418,11 @@ c10::intrusive_ptr<c10d::Work> BytescaleBackend::recv(std::vector<at::Tensor>& t
 }
 
 c10::intrusive_ptr<c10d::Work> BytescaleBackend::barrier(const c10d::BarrierOptions& opts) {
-  return gloo_->barrier(const_cast<c10d::BarrierOptions&>(opts));
+  // Ordered with the other checked CPU collectives (they run on the transport's worker).
+  auto gloo = gloo_;
+  return checked(c10::DeviceType::CPU, "barrier", {}, {}, [gloo, opts]() mutable {
+    return gloo->barrier(opts);
+  });
 }
 
 void BytescaleBackend::startCoalescing() {

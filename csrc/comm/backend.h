@@ -93,6 +93,18 @@ class BytescaleBackend final : public c10d::Backend {
   // Cross-rank fingerprint check before a Gloo-native collective (CPU only; see group_ops.h).
   void check(c10::DeviceType dt, int op, const at::Tensor& t, bool shape_known, int64_t extra,
              const std::string& what);
+  struct Fingerprint {
+    int op;
+    at::Tensor t;
+    bool shape_known;
+    int64_t extra;
+  };
+  // Runs launch() directly (CUDA, checks off, world of 1) or, for checked CPU collectives, runs
+  // the cross-rank check and then launch()->wait() on the CPU transport's worker thread.
+  template <typename F>
+  c10::intrusive_ptr<c10d::Work> checked(c10::DeviceType dt, const std::string& what,
+                                         std::vector<Fingerprint> fps,
+                                         std::vector<at::Tensor> outs, F launch);
   template <typename F>
   c10::intrusive_ptr<c10d::Work> viaGroupOps(const std::string& what, std::vector<at::Tensor> outs,
                                              F body);

@@ -1,0 +1,138 @@
+"""End-to-end HDP: the C++ planner shards long sequences over dynamic groups (ring attention),
+packs short ones, gives ranks different micro-batch counts; the loader materialises each rank's
+share; HybridDataParallel syncs once a step. The parameters after several optimizer steps equal
+single-process training on the same global batches (float64: tight; float32: stated tolerance).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bytescale.data import HDPLoader, SyntheticTokens
+from bytescale.loss import IGNORE_INDEX, token_level_loss
+from bytescale.microbatch import LocalLayout, micro_batch_context
+from bytescale.models import Llama, LlamaConfig
+from dist_utils import run_distributed
+
+CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=40)
+LENGTHS = [211, 97, 13, 7, 45, 3, 130, 31, 64, 9, 150, 22, 5, 77, 1, 40]
+CAPACITY = 110
+TOKENS_PER_BATCH = 420
+STEPS = 3
+
+
+def _model(dtype):
+    torch.manual_seed(0)
+    return Llama(CFG).to(dtype)
+
+
+def _dataset():
+    return SyntheticTokens(LENGTHS, vocab_size=CFG.vocab_size, seed=11)
+
+
+def _reference(dtype, world):
+    """Single process, plain attention on whole documents, same global batches."""
+    from bytescale.planner import hdp_plan_fn
+
+    ds = _dataset()
+    loader = HDPLoader(ds, hdp_plan_fn(world, CAPACITY), TOKENS_PER_BATCH, rank=0, world_size=world,
+                       seed=5, check_plan=False, prefetch=False, max_steps=STEPS)
+    model = _model(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    batches = []
+    for step in loader:
+        ids = step.seq_ids
+        docs = [ds.tokens(i, 0, ds.length(i)) for i in ids]
+        labels = torch.cat([torch.cat([d[1:], torch.tensor([IGNORE_INDEX])]) for d in docs])
+        pos = torch.cat([torch.arange(len(d)) for d in docs])
+        with micro_batch_context(LocalLayout([len(d) for d in docs])):
+            logits = model(torch.cat(docs), pos)
+        token_level_loss(logits, labels, step.global_loss_tokens).backward()
+        opt.step()
+        opt.zero_grad()
+        batches.append(ids)
+    return [p.detach() for p in model.parameters()], batches
+
+
+def _hdp(rank, world, dtype_name):
+    from bytescale import HybridDataParallel
+    from bytescale.planner import hdp_plan_fn
+    from bytescale.ring import RingLayout
+
+    dtype = getattr(torch, dtype_name)
+    loader = HDPLoader(_dataset(), hdp_plan_fn(world, CAPACITY), TOKENS_PER_BATCH, seed=5,
+                       layout_factory=RingLayout.from_spec, max_steps=STEPS)
+    model = HybridDataParallel(_model(dtype), bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    stats = []
+    for step in loader:
+        mbs = step.micro_batches
+        for i, mb in enumerate(mbs):
+            with model.micro_batch(mb.layout, last=(i == len(mbs) - 1)):
+                logits = model(mb.input_ids, mb.position_ids)
+                token_level_loss(logits, mb.labels, step.global_loss_tokens).backward()
+        model.finish_step()
+        opt.step()
+        opt.zero_grad()
+        stats.append((step.seq_ids, len(mbs), max((len(m.spec.group) for m in mbs), default=0)))
+    loader.close()
+    return [p.detach() for p in model.module.parameters()], stats
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_hdp_matches_single_process_float64(world):
+    ref, batches = _reference(torch.float64, world)
+    per_rank = run_distributed(_hdp, world, "float64", timeout=300)
+    counts = []
+    for params, stats in per_rank:
+        assert [s[0] for s in stats] == batches
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p, r, rtol=1e-9, atol=1e-11)
+        counts.append([s[1] for s in stats])
+    # the plan really exercised rings and uneven micro-batch counts
+    assert max(s[2] for _, st in per_rank for s in st) >= 2
+    assert len({tuple(c) for c in counts}) > 1 or world == 1
+
+
+def test_hdp_matches_single_process_float32():
+    ref, _ = _reference(torch.float32, 3)
+    for params, _ in run_distributed(_hdp, 3, "float32", timeout=300):
+        for p, r in zip(params, ref):
+            # fp32, different summation orders (ring merge, gradient all-reduce): 1e-5 relative
+            torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+
+
+def _mismatched_config(rank, world):
+    from bytescale.planner import hdp_plan_fn
+
+    loader = HDPLoader(_dataset(), hdp_plan_fn(world, CAPACITY), TOKENS_PER_BATCH,
+                       seed=5 + rank, prefetch=False, max_steps=1)  # a per-rank seed: a config bug
+    try:
+        next(loader)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_mismatched_loader_config_fails_clearly():
+    for msg in run_distributed(_mismatched_config, 2):
+        assert "planned different global batches" in msg, msg
+
+
+def test_unplannable_batch_is_a_clear_error():
+    from bytescale.planner import hdp_plan_fn
+
+    loader = HDPLoader(_dataset(), hdp_plan_fn(2, 16), 10_000, rank=0, world_size=2, seed=0,
+                       check_plan=False, prefetch=False)
+    with pytest.raises(ValueError, match="ranks"):
+        next(loader)
+
+
+def test_model_without_layout_hook_errors():
+    # a model that does not route attention through bytescale would silently attend across
+    # documents; HybridDataParallel's micro_batch layout is only consulted via bytescale.attention
+    lay = LocalLayout([3, 4])
+    with pytest.raises(ValueError, match="sum to"):
+        from bytescale.microbatch import reference_varlen_attention
+
+        reference_varlen_attention(torch.randn(5, 2, 4), torch.randn(5, 2, 4), torch.randn(5, 2, 4), lay.doc_lens)
