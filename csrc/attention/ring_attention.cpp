@@ -244,6 +244,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ringBwd(
           dkv.narrow(0, own, own).to(v.scalar_type())};
 }
 
+// All N ring positions of one ring run in sequence in ONE process on full (unsharded) tensors:
+// position i's queries meet the K/V blocks of positions i, i-1, ... exactly as in the real ring,
+// through the same blockForward + mergeInto code. Lets one device (one GPU) exercise and time the
+// multi-step ring computation. Returns (out, lse) in shard order (position 0's tokens, then 1's...).
+std::tuple<at::Tensor, at::Tensor> virtualRingFwd(const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& v, c10::IntArrayRef doc_lens,
+                                                  int64_t n, bool causal, double scale) {
+  auto lens = checkedLens(doc_lens, "virtual ring attention");
+  TORCH_CHECK(n >= 1, "bytescale virtual ring attention: ring size must be >= 1, got ", n);
+  const double sc = resolveScale(scale, q);
+  std::vector<int64_t> offs(lens.size() + 1, 0);
+  for (size_t d = 0; d < lens.size(); ++d) offs[d + 1] = offs[d] + lens[d];
+  TORCH_CHECK(offs.back() == q.size(0), "bytescale virtual ring attention: document lengths sum to ",
+              offs.back(), " but q has ", q.size(0), " tokens");
+  std::vector<TokenMeta> metas;
+  std::vector<at::Tensor> idx;
+  for (int64_t i = 0; i < n; ++i) {
+    metas.push_back(shardMeta(lens, n, i));
+    at::Tensor ix = metas.back().pos.clone();
+    auto* p = ix.data_ptr<int64_t>();
+    const auto* d = metas.back().doc.data_ptr<int64_t>();
+    for (int64_t t = 0; t < ix.numel(); ++t) p[t] += offs[d[t]];
+    idx.push_back(ix.to(q.device()));
+  }
+  const auto acc = accType(q.scalar_type());
+  std::vector<at::Tensor> outs, lses;
+  for (int64_t i = 0; i < n; ++i) {
+    at::Tensor qi = q.index_select(0, idx[i]);
+    at::Tensor out = at::zeros({qi.size(0), q.size(1), q.size(2)}, q.options().dtype(acc));
+    at::Tensor lse = at::full({q.size(1), qi.size(0)}, -std::numeric_limits<double>::infinity(),
+                              q.options().dtype(acc));
+    for (int64_t st = 0; st < n; ++st) {
+      const int64_t src = mod(i - st, n);
+      auto [ob, lb] = blockForward(qi, k.index_select(0, idx[src]), v.index_select(0, idx[src]),
+                                   metas[i], metas[src], causal, sc);
+      mergeInto(out, lse, ob, lb);
+    }
+    outs.push_back(out.to(q.scalar_type()));
+    lses.push_back(lse);
+  }
+  return {at::cat(outs, 0), at::cat(lses, 1)};
+}
+
 TORCH_LIBRARY(bytescale, m) {
   m.def("varlen_attn_fwd(Tensor q, Tensor k, Tensor v, int[] doc_lens, bool causal, float scale)"
         " -> (Tensor, Tensor)");
@@ -254,6 +297,8 @@ TORCH_LIBRARY(bytescale, m) {
   m.def("ring_attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "int[] doc_lens, int[] ranks, bool causal, float scale, bool bf16_grad_comm) -> "
         "(Tensor, Tensor, Tensor)");
+  m.def("virtual_ring_attn_fwd(Tensor q, Tensor k, Tensor v, int[] doc_lens, int n, bool causal, "
+        "float scale) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(bytescale, CompositeExplicitAutograd, m) {
@@ -261,6 +306,7 @@ TORCH_LIBRARY_IMPL(bytescale, CompositeExplicitAutograd, m) {
   m.impl("varlen_attn_bwd", &varlenBwd);
   m.impl("ring_attn_fwd", &ringFwd);
   m.impl("ring_attn_bwd", &ringBwd);
+  m.impl("virtual_ring_attn_fwd", &virtualRingFwd);
 }
 
 }  // namespace attention
