@@ -15,6 +15,7 @@ import torch.distributed  # noqa: F401  (c10d types must be registered before _C
 
 from . import _C  # noqa: F401
 from . import microbatch, planner, ring
+from .offload import offload
 from .comm import BACKEND_NAME, DynamicGroup, clear_dynamic_groups, dynamic_group, world_backend
 from .loss import token_level_loss
 from .microbatch import attention
@@ -39,4 +40,5 @@ __all__ = [
     "RingLayout",
     "ring_attention",
     "varlen_attention",
+    "offload",
 ]

@@ -8,4 +8,5 @@ namespace bytescale {
 void bind_comm(pybind11::module_& m);       // comm.cpp: backend, transports, dynamic groups
 void bind_planner(pybind11::module_& m);    // planner.cpp: cost model, planner, Plan
 void bind_attention(pybind11::module_& m);  // attention.cpp: layouts and attention helpers
+void bind_offload(pybind11::module_& m);    // offload.cpp: activation offload engine
 }  // namespace bytescale

@@ -13,4 +13,6 @@ PYBIND11_MODULE(_C, m) {
   bytescale::bind_planner(planner);
   auto attention = m.def_submodule("attention", "attention layouts and kernels");
   bytescale::bind_attention(attention);
+  auto offload = m.def_submodule("offload", "activation offload engine");
+  bytescale::bind_offload(offload);
 }

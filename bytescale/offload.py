@@ -1,0 +1,110 @@
+"""Selective activation offloading (ByteScale idea 4) through autograd's saved-tensor hooks.
+
+    with bytescale.offload(ratio=0.5, seq_len=T):   # the micro-batch's offload ratio from the plan
+        loss = model(input_ids, position_ids) ...
+        loss.backward()
+
+During forward, every saved activation whose first dimension is the micro-batch's token dimension
+(``seq_len``; any leading size if None) and that is at least ``min_bytes`` large has the leading
+``ratio`` share of its tokens copied to a host-memory pool by the C++ engine
+(csrc/offload/offload.cpp), off the compute thread; the rest stays in place. Backward fetches them
+in reverse order, prefetching the next ``prefetch_depth`` ones while the current one is used.
+Parameters and small tensors are never offloaded. Values are restored bit for bit, so gradients
+are identical to training without offloading; the context composes with activation checkpointing
+(non-reentrant) and with :class:`bytescale.HybridDataParallel`.
+
+STATUS: the engine runs on CPU tensors (host-to-host copies, which exercise the same bookkeeping);
+the CUDA engine with D2H/H2D streams and pinned memory is not built yet and CUDA tensors raise a
+clear error.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+
+from . import _C
+
+__all__ = ["offload", "OffloadStats", "default_engine"]
+
+_ENGINE: Optional["_C.offload.Engine"] = None
+
+
+def default_engine() -> "_C.offload.Engine":
+    """The process's shared engine (one host pool reused across steps)."""
+    global _ENGINE
+    if _ENGINE is None:
+        _ENGINE = _C.offload.Engine(0)
+    return _ENGINE
+
+
+class _Handle:
+    __slots__ = ("id", "tensor", "index")
+
+    def __init__(self, hid: int, index: int) -> None:
+        self.id = hid
+        self.index = index
+        self.tensor: Optional[torch.Tensor] = None
+
+
+class OffloadStats:
+    def __init__(self) -> None:
+        self.offloaded_tensors = 0
+        self.offloaded_bytes = 0
+        self.kept_tensors = 0
+
+
+class offload(torch.autograd.graph.saved_tensors_hooks):
+    """Context manager offloading ``ratio`` of each large saved activation (see module doc)."""
+
+    def __init__(self, ratio: float, seq_len: Optional[int] = None, min_bytes: int = 1 << 16,
+                 prefetch_depth: int = 2, engine: Optional["_C.offload.Engine"] = None) -> None:
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"offload: ratio must be in [0, 1], got {ratio}")
+        self.ratio = float(ratio)
+        self.seq_len = seq_len
+        self.min_bytes = int(min_bytes)
+        self.depth = int(prefetch_depth)
+        self.engine = engine or default_engine()
+        self.stats = OffloadStats()
+        self._packed: List[_Handle] = []
+        super().__init__(self._pack, self._unpack)
+
+    def _eligible(self, t: torch.Tensor) -> bool:
+        if self.ratio == 0.0 or isinstance(t, nn.Parameter) or t.dim() == 0:
+            return False
+        if t.numel() * t.element_size() < self.min_bytes:
+            return False
+        if self.seq_len is not None and t.shape[0] != self.seq_len:
+            return False
+        return t.device.type == "cpu" or (_raise_cuda(t))
+
+    def _pack(self, t: torch.Tensor):
+        if not self._eligible(t):
+            self.stats.kept_tensors += 1
+            return t
+        h = _Handle(self.engine.offload(t.detach(), self.ratio), len(self._packed))
+        self._packed.append(h)
+        self.stats.offloaded_tensors += 1
+        self.stats.offloaded_bytes += int(round(self.ratio * t.shape[0])) * (t.numel() // max(1, t.shape[0])) * t.element_size()
+        return h
+
+    def _unpack(self, x):
+        if not isinstance(x, _Handle):
+            return x
+        if x.tensor is None:
+            # first-in, last-out: the tensors packed just before this one are needed next
+            for j in range(x.index - 1, max(-1, x.index - 1 - self.depth), -1):
+                nxt = self._packed[j]
+                if nxt.tensor is None:
+                    self.engine.prefetch(nxt.id)
+            x.tensor = self.engine.fetch(x.id)
+        return x.tensor
+
+
+def _raise_cuda(t: torch.Tensor) -> bool:
+    raise RuntimeError(
+        f"bytescale.offload: {t.device} tensors are not supported yet (the CUDA engine with D2H/H2D "
+        "streams is not built); use ratio=0 on GPUs for now"
+    )

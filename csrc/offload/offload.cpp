@@ -1,0 +1,222 @@
+#include "offload/offload.h"
+
+#include <ATen/ATen.h>
+
+#include <sstream>
+
+namespace bytescale {
+namespace offload {
+
+// ---- HostPool ------------------------------------------------------------------------------------
+
+int64_t HostPool::bucket(int64_t bytes) {
+  // Round up to a power of two at or above 4 KiB so buffers of similar sizes are reused.
+  int64_t b = 4096;
+  while (b < bytes) b <<= 1;
+  return b;
+}
+
+at::Tensor HostPool::acquire(int64_t bytes, bool pinned) {
+  const int64_t b = bucket(std::max<int64_t>(bytes, 1));
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = free_.find({b, pinned});
+  at::Tensor buf;
+  if (it != free_.end()) {
+    buf = it->second;
+    free_.erase(it);
+  } else {
+    if (limit_ > 0 && reserved_ + b > limit_) {
+      // Give back cached buffers of other sizes before failing.
+      for (auto f = free_.begin(); f != free_.end() && reserved_ + b > limit_;) {
+        reserved_ -= f->first.first;
+        f = free_.erase(f);
+      }
+      TORCH_CHECK(reserved_ + b <= limit_, "bytescale offload: the host pool cannot hold ", bytes,
+                  " more bytes (", b, " bucket): ", reserved_, " of its ", limit_,
+                  "-byte limit are reserved (", in_use_, " in use)");
+    }
+    auto opts = at::TensorOptions().dtype(at::kByte).pinned_memory(pinned);
+    buf = at::empty({b}, opts);
+    reserved_ += b;
+  }
+  in_use_ += b;
+  peak_ = std::max(peak_, in_use_);
+  return buf;
+}
+
+void HostPool::release(at::Tensor buf) {
+  if (!buf.defined()) return;
+  const int64_t b = buf.numel();
+  std::lock_guard<std::mutex> g(mu_);
+  in_use_ -= b;
+  free_.emplace(std::make_pair(b, buf.is_pinned()), std::move(buf));
+}
+
+int64_t HostPool::reservedBytes() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return reserved_;
+}
+int64_t HostPool::inUseBytes() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return in_use_;
+}
+int64_t HostPool::peakInUseBytes() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return peak_;
+}
+void HostPool::clear() {
+  std::lock_guard<std::mutex> g(mu_);
+  for (auto& f : free_) reserved_ -= f.first.first;
+  free_.clear();
+}
+
+// ---- Engine ----------------------------------------------------------------------------------------
+
+struct Engine::Entry {
+  at::Tensor host;      // pool buffer (bytes)
+  at::Tensor host_view; // host rows, typed and shaped
+  at::Tensor kept;      // rows [n_off, rows) left on the device
+  at::Tensor restored;  // rows [0, n_off) back on the device
+  int64_t n_off = 0, rows = 0;
+  std::mutex m;
+  std::condition_variable cv;
+  bool to_host_done = false, to_dev_started = false, to_dev_done = false;
+  std::exception_ptr err;
+};
+
+Engine::Engine(int64_t pool_limit_bytes) : pool_(pool_limit_bytes) {
+  worker_ = std::thread([this] {
+    for (;;) {
+      std::function<void()> job;
+      {
+        std::unique_lock<std::mutex> lk(q_mu_);
+        q_cv_.wait(lk, [&] { return stop_ || !q_.empty(); });
+        if (q_.empty()) return;
+        job = std::move(q_.front());
+        q_.pop_front();
+      }
+      job();
+    }
+  });
+}
+
+Engine::~Engine() {
+  {
+    std::lock_guard<std::mutex> g(q_mu_);
+    stop_ = true;
+  }
+  q_cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+void Engine::runOnWorker(std::function<void()> fn, std::shared_ptr<Entry> e, bool to_host) {
+  {
+    std::lock_guard<std::mutex> g(q_mu_);
+    q_.push_back([fn = std::move(fn), e, to_host] {
+      std::exception_ptr err;
+      try {
+        fn();
+      } catch (...) {
+        err = std::current_exception();
+      }
+      {
+        std::lock_guard<std::mutex> g(e->m);
+        if (err && !e->err) e->err = err;
+        (to_host ? e->to_host_done : e->to_dev_done) = true;
+      }
+      e->cv.notify_all();
+    });
+  }
+  q_cv_.notify_one();
+}
+
+void Engine::waitStage(Entry& e, bool to_host) {
+  std::unique_lock<std::mutex> lk(e.m);
+  e.cv.wait(lk, [&] { return to_host ? e.to_host_done : e.to_dev_done; });
+  if (e.err) std::rethrow_exception(e.err);
+}
+
+int64_t Engine::offload(const at::Tensor& t, double ratio) {
+  TORCH_CHECK(ratio >= 0.0 && ratio <= 1.0, "bytescale offload: ratio ", ratio, " outside [0, 1]");
+  TORCH_CHECK(t.dim() >= 1, "bytescale offload: tensors need a sequence dimension, got a scalar");
+  TORCH_CHECK(t.device().is_cpu(), "bytescale offload: ", t.device(),
+              " tensors are not supported yet (the CUDA stream engine is not built; CPU only)");
+  auto e = std::make_shared<Entry>();
+  e->rows = t.size(0);
+  e->n_off = std::min<int64_t>(e->rows, static_cast<int64_t>(std::llround(ratio * e->rows)));
+  at::Tensor src = t.contiguous();
+  const int64_t row_elems = e->rows ? src.numel() / e->rows : 0;
+  const int64_t bytes = e->n_off * row_elems * src.element_size();
+  e->host = pool_.acquire(bytes, /*pinned=*/false);
+  std::vector<int64_t> shape(src.sizes().begin(), src.sizes().end());
+  shape[0] = e->n_off;
+  e->host_view = e->host.narrow(0, 0, bytes).view(src.scalar_type()).view(shape);
+  if (e->n_off < e->rows) e->kept = src.narrow(0, e->n_off, e->rows - e->n_off).clone();
+  at::Tensor head = src.narrow(0, 0, e->n_off);
+  at::Tensor dst = e->host_view;
+  runOnWorker([dst, head]() mutable { dst.copy_(head); }, e, /*to_host=*/true);
+  std::lock_guard<std::mutex> g(mu_);
+  const int64_t h = next_++;
+  entries_[h] = e;
+  offloaded_bytes_ += bytes;
+  return h;
+}
+
+void Engine::prefetch(int64_t handle) {
+  std::shared_ptr<Entry> e;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = entries_.find(handle);
+    TORCH_CHECK(it != entries_.end(), "bytescale offload: unknown handle ", handle);
+    e = it->second;
+  }
+  {
+    std::lock_guard<std::mutex> g(e->m);
+    if (e->to_dev_started) return;
+    e->to_dev_started = true;
+  }
+  // The worker runs jobs in order, so the copy back starts after the copy out finished.
+  auto ep = e.get();
+  runOnWorker([ep]() { ep->restored = ep->host_view.clone(); }, e, /*to_host=*/false);
+}
+
+at::Tensor Engine::fetch(int64_t handle) {
+  prefetch(handle);
+  std::shared_ptr<Entry> e;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    e = entries_.at(handle);
+    entries_.erase(handle);
+  }
+  waitStage(*e, /*to_host=*/true);
+  waitStage(*e, /*to_host=*/false);
+  at::Tensor out = e->kept.defined() ? (e->n_off ? at::cat({e->restored, e->kept}, 0) : e->kept)
+                                     : e->restored;
+  pool_.release(std::move(e->host));
+  return out;
+}
+
+void Engine::discard(int64_t handle) {
+  std::shared_ptr<Entry> e;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = entries_.find(handle);
+    if (it == entries_.end()) return;
+    e = it->second;
+    entries_.erase(it);
+  }
+  waitStage(*e, /*to_host=*/true);
+  {
+    std::unique_lock<std::mutex> lk(e->m);
+    if (e->to_dev_started) e->cv.wait(lk, [&] { return e->to_dev_done; });
+  }
+  pool_.release(std::move(e->host));
+}
+
+int64_t Engine::pending() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return static_cast<int64_t>(entries_.size());
+}
+
+}  // namespace offload
+}  // namespace bytescale
