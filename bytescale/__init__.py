@@ -16,6 +16,7 @@ import torch.distributed  # noqa: F401  (c10d types must be registered before _C
 from . import _C  # noqa: F401
 from . import microbatch, planner, ring
 from .offload import offload
+from .profile import profile
 from .comm import BACKEND_NAME, DynamicGroup, clear_dynamic_groups, dynamic_group, world_backend
 from .loss import token_level_loss
 from .microbatch import attention
@@ -41,4 +42,5 @@ __all__ = [
     "ring_attention",
     "varlen_attention",
     "offload",
+    "profile",
 ]
