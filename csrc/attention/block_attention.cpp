@@ -60,6 +60,17 @@ int tileMask(const TokenMeta& qm, const TokenMeta& km, int64_t q0, int64_t q1, i
   return 2;
 }
 
+// Set the scores (Hkv, tq*rep, tk) of invisible (query, key) pairs to -inf (vis == 2: mixed tile).
+void applyMask(at::Tensor& s, const at::Tensor& mask, int vis, int64_t hkv, int64_t tq, int64_t rep,
+               int64_t tk) {
+  if (vis != 2) return;
+  at::Tensor mk = mask.to(s.device(), /*non_blocking=*/true)
+                      .view({1, tq, 1, tk})
+                      .expand({hkv, tq, rep, tk})
+                      .reshape({hkv, tq * rep, tk});
+  s.masked_fill_(mk.logical_not(), kNegInf);
+}
+
 // q tile (tq, Hq, D) -> (Hkv, tq*rep, D) in dtype acc
 at::Tensor groupQ(const at::Tensor& qt, int64_t hkv, at::ScalarType acc) {
   const int64_t tq = qt.size(0), hq = qt.size(1), d = qt.size(2), rep = hq / hkv;
@@ -104,13 +115,7 @@ std::tuple<at::Tensor, at::Tensor> blockForward(const at::Tensor& q, const at::T
       any = true;
       at::Tensor kt = kg.narrow(1, k0, tk), vt = vg.narrow(1, k0, tk);
       at::Tensor s = at::bmm(qg, kt.transpose(1, 2)).mul_(scale);  // (Hkv, tq*rep, tk)
-      if (vis == 2) {
-        at::Tensor mk = mask.to(q.device(), /*non_blocking=*/true)
-                            .view({1, tq, 1, tk})
-                            .expand({Hkv, tq, rep, tk})
-                            .reshape({Hkv, tq * rep, tk});
-        s.masked_fill_(mk.logical_not(), kNegInf);
-      }
+      applyMask(s, mask, vis, Hkv, tq, rep, tk);
       at::Tensor m_new = at::maximum(m, std::get<0>(s.max(-1)));
       at::Tensor shift = at::where(at::isinf(m_new), at::zeros_like(m_new), m_new);
       at::Tensor p = at::exp(s - shift.unsqueeze(-1));
@@ -169,13 +174,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> blockBackward(
       any = true;
       at::Tensor kt = kg.narrow(1, k0, tk), vt = vg.narrow(1, k0, tk);
       at::Tensor s = at::bmm(qg, kt.transpose(1, 2)).mul_(scale);
-      if (vis == 2) {
-        at::Tensor mk = mask.to(q.device(), true)
-                            .view({1, tq, 1, tk})
-                            .expand({Hkv, tq, rep, tk})
-                            .reshape({Hkv, tq * rep, tk});
-        s.masked_fill_(mk.logical_not(), kNegInf);
-      }
+      applyMask(s, mask, vis, Hkv, tq, rep, tk);
       at::Tensor p = at::exp(s - lrow);                      // (Hkv, tq*rep, tk)
       dvg.narrow(1, k0, tk).add_(at::bmm(p.transpose(1, 2), dog));
       at::Tensor dp = at::bmm(dog, vt.transpose(1, 2));      // (Hkv, tq*rep, tk)

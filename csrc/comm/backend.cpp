@@ -373,19 +373,7 @@ c10::intrusive_ptr<c10d::Work> BytescaleBackend::alltoall(std::vector<at::Tensor
               "bytescale ", what, ": needs ", n, " input and output tensors, got ", inputs.size(),
               " and ", outputs.size());
   return viaGroupOps(what, outputs, [outputs, inputs, what](Transport& tr, const RankMap& g) {
-    const int i = g.myIndex();
-    outputs[i].copy_(inputs[i].view(outputs[i].sizes()));
-    std::vector<P2POp> ops;
-    std::vector<std::pair<at::Tensor, at::Tensor>> copies;
-    for (const auto& st : pairwiseSchedule(g.size(), i)) {
-      ops.push_back({P2POp::kSend, st.send_to, inputs[st.send_to].contiguous()});
-      at::Tensor o = outputs[st.recv_from];
-      at::Tensor oc = o.is_contiguous() ? o : o.contiguous();
-      if (!oc.is_same(o)) copies.emplace_back(o, oc);
-      ops.push_back({P2POp::kRecv, st.recv_from, oc});
-    }
-    tr.exchange(ops, what)->wait();
-    for (auto& c : copies) c.first.copy_(c.second);
+    group_ops::allToAllList(tr, g, outputs, inputs, what);
   });
 }
 

@@ -286,6 +286,31 @@ void allToAll(Transport& tr, const RankMap& g, const at::Tensor& out, const at::
   if (!oc.is_same(out)) out.copy_(oc);
 }
 
+void allToAllList(Transport& tr, const RankMap& g, const std::vector<at::Tensor>& outputs,
+                  const std::vector<at::Tensor>& inputs, const std::string& what) {
+  g.requireMember(what);
+  const int n = g.size(), i = g.myIndex();
+  TORCH_CHECK(static_cast<int>(outputs.size()) == n && static_cast<int>(inputs.size()) == n,
+              "bytescale ", what, ": needs ", n, " input and output tensors, got ", inputs.size(),
+              " and ", outputs.size());
+  checkConsistent(tr, g, OpCode::kAllToAll, inputs[0], false, 0, what);
+  TORCH_CHECK(outputs[i].numel() == inputs[i].numel(), "bytescale ", what,
+              ": the tensor this rank sends to itself has ", inputs[i].numel(),
+              " elements but its output slot has ", outputs[i].numel());
+  outputs[i].copy_(inputs[i].view(outputs[i].sizes()));
+  std::vector<P2POp> ops;
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;
+  for (const auto& st : pairwiseSchedule(n, i)) {
+    ops.push_back({P2POp::kSend, g.globalRank(st.send_to), inputs[st.send_to].contiguous()});
+    at::Tensor o = outputs[st.recv_from];
+    at::Tensor oc = contiguousOrSame(o);
+    if (!oc.is_same(o)) copies.emplace_back(o, oc);
+    ops.push_back({P2POp::kRecv, g.globalRank(st.recv_from), oc});
+  }
+  tr.exchange(ops, what)->wait();
+  for (auto& c : copies) c.first.copy_(c.second);
+}
+
 void gather(Transport& tr, const RankMap& g, const std::vector<at::Tensor>& outputs,
             const at::Tensor& in, int root, const std::string& what) {
   g.requireMember(what);

@@ -40,6 +40,9 @@ void broadcast(Transport& tr, const RankMap& g, const at::Tensor& t, int root,
 void allToAll(Transport& tr, const RankMap& g, const at::Tensor& out, const at::Tensor& in,
               std::vector<int64_t> out_splits, std::vector<int64_t> in_splits,
               const std::string& what);
+// List all-to-all: inputs[j] goes to group rank j, outputs[j] comes from group rank j.
+void allToAllList(Transport& tr, const RankMap& g, const std::vector<at::Tensor>& outputs,
+                  const std::vector<at::Tensor>& inputs, const std::string& what);
 // root is a GROUP rank; outputs has n tensors on root (ignored elsewhere).
 void gather(Transport& tr, const RankMap& g, const std::vector<at::Tensor>& outputs,
             const at::Tensor& in, int root, const std::string& what);
