@@ -10,6 +10,12 @@ back. Buckets always start in the same order on every rank, so the collectives m
 The reduction is a SUM: combined with :func:`bytescale.loss.token_level_loss` (divide by the global
 number of loss tokens) the result equals single-device training on the global batch.
 
+Sharded parameters (FSDP2): wrap a model already passed through ``fully_shard``. Then FSDP2 does the
+gradient reduce-scatter (as a SUM: the wrapper sets the gradient divide factor to 1) and gradient
+sync is enabled on the last micro-batch only. FSDP2 all-gathers parameters in every forward, which
+every rank must join, so every rank must run the SAME number of micro-batches: build the loader
+with ``pad_micro_batches=True`` (ranks with fewer get empty micro-batches, zero tokens).
+
 Usage::
 
     model = HybridDataParallel(model)
@@ -75,6 +81,17 @@ class HybridDataParallel(nn.Module):
         self.process_group = process_group
         self._sync = False
         self._in_step = False
+        self.fsdp = hasattr(module, "set_requires_gradient_sync") and hasattr(module, "set_gradient_divide_factor")
+        if self.fsdp:
+            if process_group is not None:
+                raise ValueError("HybridDataParallel: with FSDP2 the sharding mesh is the process group; "
+                                 "do not pass process_group")
+            # token-level loss: sum, do not average (set on every FSDP module: it is per module)
+            for m in module.modules():
+                if hasattr(m, "set_gradient_divide_factor"):
+                    m.set_gradient_divide_factor(1.0)
+            self._buckets = []
+            return
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ValueError("HybridDataParallel: the module has no trainable parameters")
@@ -130,6 +147,8 @@ class HybridDataParallel(nn.Module):
         if not self._in_step:
             self._start_step()
         self._sync = last
+        if self.fsdp:
+            self.module.set_requires_gradient_sync(last)
         try:
             with micro_batch_context(layout):
                 yield
@@ -143,7 +162,7 @@ class HybridDataParallel(nn.Module):
             b.ready, b.work, b.launched, b.buffer = 0, None, False, None
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self._sync:
+        if not self._sync or self.fsdp:
             return
         b = self._buckets[self._bucket_of[p]]
         b.ready += 1
@@ -172,6 +191,12 @@ class HybridDataParallel(nn.Module):
 
     def finish_step(self) -> None:
         """Finish the step's gradient synchronisation (call once per step on every rank)."""
+        if self.fsdp:
+            if not self._in_step:
+                raise RuntimeError("HybridDataParallel (FSDP2): this rank ran no micro-batch; build "
+                                   "the loader with pad_micro_batches=True")
+            self._in_step = False
+            return
         if not self._in_step:
             self._start_step()  # a rank with no micro-batch this step
         self._launch_ready(force=True)

@@ -168,7 +168,9 @@ class RingLayout:
             parts.append(ring_attention(q[nl:], k[nl:], v[nl:], self.sharded_lens, self.ranks,
                                         softmax_scale, causal))
         if not parts:
-            return q.new_empty(q.shape)
+            # An empty micro-batch (padding): keep q, k, v in the graph so every parameter still
+            # gets a (zero) gradient, as sharded-parameter reductions expect on every rank.
+            return q * 0 + (k.sum() + v.sum()) * 0
         return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
 
     def __repr__(self) -> str:

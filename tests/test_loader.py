@@ -82,3 +82,24 @@ def test_sampler_budget_and_epochs():
         assert b and (sum(10 * (i + 1) for i in b) <= 45 or len(b) == 1)
         seen += b
     assert sorted(seen[:4]) != [] and set(seen) == {0, 1, 2, 3}
+
+
+def test_lockstep_schedule_aligns_rings_and_pads():
+    from bytescale.data.loader import lockstep_schedule
+
+    A = MicroBatchSpec(local=[], sharded=[SequenceSpec(0, 50, 2, 0)], group=(0, 2))
+    B = MicroBatchSpec(local=[], sharded=[SequenceSpec(1, 50, 2, 0)], group=(1, 2))
+    L = lambda i: MicroBatchSpec(local=[SequenceSpec(i, 5)], sharded=[])  # noqa: E731
+    per_rank = [[A, L(3), L(4)], [B, L(5)], [A, B]]
+    out = lockstep_schedule(per_rank)
+    assert len({len(x) for x in out}) == 1  # same number of slots everywhere
+    for k in range(len(out[0])):
+        rings = {}
+        for r in range(3):
+            g = out[r][k].group
+            if g:
+                rings.setdefault(g, []).append(r)
+        for g, members in rings.items():  # every member of a ring is in that ring at slot k
+            assert sorted(members) == sorted(g)
+    assert [m.group for m in out[2] if m.group] == [(0, 2), (1, 2)]  # ring order kept
+    assert sum(1 for m in out[0] if m.local) == 2 and sum(1 for m in out[1] if m.local) == 1

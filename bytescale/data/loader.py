@@ -33,7 +33,7 @@ from ..loss import IGNORE_INDEX
 from .dataset import TokenDataset
 
 __all__ = ["SequenceSpec", "MicroBatchSpec", "MicroBatch", "Step", "GlobalBatchSampler", "HDPLoader",
-           "materialize"]
+           "materialize", "lockstep_schedule"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,54 @@ def materialize(dataset: TokenDataset, spec: MicroBatchSpec,
     return mb
 
 
+def lockstep_schedule(per_rank: List[List[MicroBatchSpec]]) -> List[List[MicroBatchSpec]]:
+    """Align every rank's micro-batches into slots run in lockstep (for FSDP2-style training).
+
+    With sharded parameters every rank joins a collective in every forward/backward, so all ranks
+    must run micro-batch k together, and the members of a ring must meet in the same slot. Rings
+    keep their relative order on every member (the plan's contract) and are placed in the earliest
+    slot where all members are free; local micro-batches fill the remaining slots in order; every
+    rank is padded with empty micro-batches to the same number of slots. Pure function of the plan:
+    every rank computes the same schedule.
+    """
+    world = len(per_rank)
+    ring_lists = [[(tuple(mb.group), tuple(s.seq_id for s in mb.sharded)) for mb in specs if mb.group]
+                  for specs in per_rank]
+    ring_specs = [{(tuple(mb.group), tuple(s.seq_id for s in mb.sharded)): mb for mb in specs if mb.group}
+                  for specs in per_rank]
+    heads = [0] * world
+    next_free = [0] * world
+    slots: List[dict] = [dict() for _ in range(world)]
+    remaining = sum(len(r) for r in ring_lists)
+    while remaining:
+        progressed = False
+        for r in range(world):
+            if heads[r] >= len(ring_lists[r]):
+                continue
+            key = ring_lists[r][heads[r]]
+            members = key[0]
+            if all(heads[m] < len(ring_lists[m]) and ring_lists[m][heads[m]] == key for m in members):
+                slot = max(next_free[m] for m in members)
+                for m in members:
+                    slots[m][slot] = ring_specs[m][key]
+                    next_free[m] = slot + 1
+                    heads[m] += 1
+                remaining -= len(members)
+                progressed = True
+        if not progressed:
+            raise RuntimeError("lockstep_schedule: ring micro-batches are not in one consistent order "
+                               "across their members; the plan violates its ordering contract")
+    for r in range(world):
+        k = 0
+        for mb in (m for m in per_rank[r] if not m.group):
+            while k in slots[r]:
+                k += 1
+            slots[r][k] = mb
+    total = max((max(sl) + 1 for sl in slots if sl), default=0)
+    return [[slots[r].get(k, MicroBatchSpec(local=[], sharded=[])) for k in range(total)]
+            for r in range(world)]
+
+
 class GlobalBatchSampler:
     """Deterministic, resumable global batches: shuffled sequence ids, filled to a token budget.
 
@@ -193,6 +241,10 @@ class HDPLoader:
         check_plan: all-reduce a fingerprint of the plan every step (needs an initialised
             process group).
         prefetch: prepare step k+1 in a background thread while step k trains.
+        pad_micro_batches: run micro-batches in lockstep (:func:`lockstep_schedule`): every rank
+            gets the same number of slots (empty micro-batches as padding) and ring members meet
+            in the same slot, for sharded-parameter training (FSDP2) where every rank joins every
+            forward's parameter all-gather.
     """
 
     def __init__(
@@ -207,6 +259,7 @@ class HDPLoader:
         check_plan: bool = True,
         prefetch: bool = True,
         max_steps: Optional[int] = None,
+        pad_micro_batches: bool = False,
     ) -> None:
         import torch.distributed as dist
 
@@ -220,6 +273,7 @@ class HDPLoader:
         self.check_plan = check_plan
         self.prefetch = prefetch
         self.max_steps = max_steps
+        self.pad_micro_batches = pad_micro_batches
         self.step_index = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if prefetch else None
         self._pending: Optional[concurrent.futures.Future] = None
@@ -247,7 +301,10 @@ class HDPLoader:
     def _build(self, step_index: int, seq_ids: List[int]) -> Step:
         lengths = [self.dataset.length(s) for s in seq_ids]
         plan, specs_for_rank = self.plan_fn(lengths)
-        specs = specs_for_rank(self.rank)
+        if self.pad_micro_batches:
+            specs = lockstep_schedule([specs_for_rank(r) for r in range(self.world_size)])[self.rank]
+        else:
+            specs = specs_for_rank(self.rank)
         # The plan works on positions in the batch; map to dataset ids.
         for mb in specs:
             mb.local = [SequenceSpec(seq_ids[s.seq_id], s.length, s.ring_size, s.ring_pos) for s in mb.local]
