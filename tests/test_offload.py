@@ -65,3 +65,19 @@ def test_engine_roundtrip_and_errors():
         eng.prefetch(10_000)
     with pytest.raises(ValueError, match="ratio"):
         bytescale.offload(-0.1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (never yet run)")
+def test_cuda_offload_bit_identical():
+    torch.manual_seed(0)
+    model = Llama(CFG).cuda()
+    ids = torch.randint(0, CFG.vocab_size, (T,), device="cuda")
+    pos = torch.arange(T, device="cuda")
+    grads = []
+    for ratio in (0.0, 0.5, 1.0):
+        model.zero_grad()
+        with bytescale.offload(ratio, seq_len=T, min_bytes=1024):
+            model(ids, pos).square().mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for g in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(g, grads[0]))

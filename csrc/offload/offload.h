@@ -3,9 +3,10 @@
 // offload(t, ratio) copies the leading `ratio` share of t's first (sequence) dimension to host
 // memory and keeps the rest on the device; prefetch(h) starts the copy back; fetch(h) returns the
 // reassembled tensor (bit-identical to t). Copies run off the caller's thread of execution:
-//   CUDA tensors: on a dedicated D2H and a dedicated H2D stream, ordered by events, into pinned
-//                 memory, without host synchronisation on the hot path (compiled; NOT yet run on a
-//                 GPU);
+//   CUDA tensors: on a dedicated D2H and a dedicated H2D stream per device, ordered by events, into
+//                 pinned memory, without host synchronisation on the hot path; pinned buffers go
+//                 back to the pool when their H2D copy's event completes (compiled; NOT yet run on
+//                 a GPU: none was lent);
 //   CPU tensors:  on a copy worker thread (host-to-host), so the same bookkeeping is tested in CI.
 #pragma once
 
