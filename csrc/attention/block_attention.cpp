@@ -117,11 +117,11 @@ std::tuple<at::Tensor, at::Tensor> blockForward(const at::Tensor& q, const at::T
       at::Tensor s = at::bmm(qg, kt.transpose(1, 2)).mul_(scale);  // (Hkv, tq*rep, tk)
       applyMask(s, mask, vis, Hkv, tq, rep, tk);
       at::Tensor m_new = at::maximum(m, std::get<0>(s.max(-1)));
-      at::Tensor shift = at::where(at::isinf(m_new), at::zeros_like(m_new), m_new);
-      at::Tensor p = at::exp(s - shift.unsqueeze(-1));
-      at::Tensor corr = at::exp(m - shift);
-      l = l * corr + p.sum(-1);
-      o = o * corr.unsqueeze(-1) + at::bmm(p, vt);
+      at::Tensor shift = m_new.masked_fill(at::isinf(m_new), 0.0);
+      at::Tensor& p = s.sub_(shift.unsqueeze(-1)).exp_();  // in place: no second tile buffer
+      at::Tensor corr = (m - shift).exp_();
+      l.mul_(corr).add_(p.sum(-1));
+      o.mul_(corr.unsqueeze(-1)).baddbmm_(p, vt);
       m = m_new;
     }
     if (!any) continue;
@@ -175,12 +175,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> blockBackward(
       at::Tensor kt = kg.narrow(1, k0, tk), vt = vg.narrow(1, k0, tk);
       at::Tensor s = at::bmm(qg, kt.transpose(1, 2)).mul_(scale);
       applyMask(s, mask, vis, Hkv, tq, rep, tk);
-      at::Tensor p = at::exp(s - lrow);                      // (Hkv, tq*rep, tk)
-      dvg.narrow(1, k0, tk).add_(at::bmm(p.transpose(1, 2), dog));
-      at::Tensor dp = at::bmm(dog, vt.transpose(1, 2));      // (Hkv, tq*rep, tk)
-      at::Tensor ds = p * (dp - drow);
-      dqg.add_(at::bmm(ds, kt), scale);
-      dkg.narrow(1, k0, tk).add_(at::bmm(ds.transpose(1, 2), qg), scale);
+      at::Tensor& p = s.sub_(lrow).exp_();                   // (Hkv, tq*rep, tk)
+      at::Tensor dvt = dvg.narrow(1, k0, tk);
+      dvt.baddbmm_(p.transpose(1, 2), dog);
+      at::Tensor ds = at::bmm(dog, vt.transpose(1, 2)).sub_(drow).mul_(p);  // p * (dp - delta)
+      dqg.baddbmm_(ds, kt, 1.0, scale);
+      at::Tensor dkt = dkg.narrow(1, k0, tk);
+      dkt.baddbmm_(ds.transpose(1, 2), qg, 1.0, scale);
     }
     if (any) dq.narrow(0, q0, tq).copy_(ungroupQ(dqg, tq, Hq));
   }
