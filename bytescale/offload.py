@@ -40,11 +40,12 @@ def default_engine() -> "_C.offload.Engine":
 
 
 class _Handle:
-    __slots__ = ("id", "tensor", "index")
+    __slots__ = ("id", "tensor", "index", "stride")
 
-    def __init__(self, hid: int, index: int) -> None:
+    def __init__(self, hid: int, index: int, stride=None) -> None:
         self.id = hid
         self.index = index
+        self.stride = stride  # original strides of a non-contiguous (dense) tensor
         self.tensor: Optional[torch.Tensor] = None
 
 
@@ -79,6 +80,8 @@ class offload(torch.autograd.graph.saved_tensors_hooks):
             return False
         if self.seq_len is not None and t.shape[0] != self.seq_len:
             return False
+        if not t.is_contiguous() and not _dense(t):
+            return False  # expanded/overlapping views: their layout could not be restored
         return t.device.type in ("cpu", "cuda")
 
     def _pack(self, t: torch.Tensor):
@@ -88,7 +91,9 @@ class offload(torch.autograd.graph.saved_tensors_hooks):
             if not isinstance(t, nn.Parameter):
                 self.stats.kept_bytes += total
             return t
-        h = _Handle(self.engine.offload(t.detach(), self.ratio), len(self._packed))
+        # Restore the exact strides too: kernels (BLAS) may round differently on other layouts.
+        stride = None if t.is_contiguous() else t.stride()
+        h = _Handle(self.engine.offload(t.detach(), self.ratio), len(self._packed), stride)
         self._packed.append(h)
         off = int(round(self.ratio * t.shape[0])) * (t.numel() // max(1, t.shape[0])) * t.element_size()
         self.stats.offloaded_tensors += 1
@@ -105,5 +110,18 @@ class offload(torch.autograd.graph.saved_tensors_hooks):
                 nxt = self._packed[j]
                 if nxt.tensor is None:
                     self.engine.prefetch(nxt.id)
-            x.tensor = self.engine.fetch(x.id)
+            y = self.engine.fetch(x.id)
+            if x.stride is not None:
+                z = torch.empty_strided(y.shape, x.stride, dtype=y.dtype, device=y.device)
+                z.copy_(y)
+                y = z
+            x.tensor = y
         return x.tensor
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: a permutation of a contiguous layout (storage size == numel)."""
+    if t.numel() == 0:
+        return True
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+    return span == t.numel() and all(st > 0 for st in t.stride())
