@@ -68,6 +68,27 @@ class Event {
     TORCH_CHECK(r_ == ncclSuccess, "bytescale ", what, ": NCCL error: ", ncclGetErrorString(r_)); \
   } while (0)
 
+// Closes an NCCL group even when an exception unwinds between ncclGroupStart and ncclGroupEnd
+// (an open group would silently queue every later NCCL call on this thread).
+class GroupGuard {
+ public:
+  explicit GroupGuard(const char* what) : what_(what) {
+    BYTESCALE_NCCL(ncclGroupStart(), what_);
+    open_ = true;
+  }
+  void end() {
+    open_ = false;
+    BYTESCALE_NCCL(ncclGroupEnd(), what_);
+  }
+  ~GroupGuard() {
+    if (open_) (void)ncclGroupEnd();
+  }
+
+ private:
+  const char* what_;
+  bool open_ = false;
+};
+
 ncclDataType_t ncclType(at::ScalarType t, const std::string& what) {
   switch (t) {
     case at::kFloat: return ncclFloat32;
@@ -90,9 +111,10 @@ struct RedOp {
 };
 
 RedOp ncclOp(const c10d::ReduceOp& op, const at::Tensor& t, ncclComm_t comm, const std::string& what) {
+  const bool is_bool = t.scalar_type() == at::kBool;  // uint8 on the wire: SUM = OR, PRODUCT = AND
   switch (op.op_) {
-    case c10d::ReduceOp::SUM: return {ncclSum};
-    case c10d::ReduceOp::PRODUCT: return {ncclProd};
+    case c10d::ReduceOp::SUM: return {is_bool ? ncclMax : ncclSum};
+    case c10d::ReduceOp::PRODUCT: return {is_bool ? ncclMin : ncclProd};
     case c10d::ReduceOp::MIN: return {ncclMin};
     case c10d::ReduceOp::MAX: return {ncclMax};
     case c10d::ReduceOp::AVG:
@@ -272,7 +294,10 @@ class NcclBackend final : public c10d::Backend {
                                         std::vector<at::Tensor> outputs, bool world, F fn,
                                         bool cpu_sync = false) {
     TORCH_CHECK(!shut_down_, "bytescale ", what, ": the backend has been shut down");
-    if (world && !inputs.empty()) connect(inputs[0].device().index());
+    if (world && !inputs.empty())
+      connect(inputs[0].device().index());
+    else if (world && !outputs.empty())  // e.g. scatter on a non-root rank: no inputs
+      connect(outputs[0].device().index());
     ncclComm_t comm = requireComm(what);
     const auto dev = device_;
     c10::cuda::CUDAGuard guard(dev);
@@ -310,7 +335,7 @@ class NcclBackend final : public c10d::Backend {
     start.record(caller);
     start.block(*stream_);
     auto end = std::make_shared<Event>();
-    BYTESCALE_NCCL(ncclGroupStart(), what);
+    GroupGuard group_(what.c_str());
     for (const auto& op : ops) {
       TORCH_CHECK(op.tensor.is_cuda() && op.tensor.device() == dev, "bytescale ", what,
                   ": point-to-point tensor on ", op.tensor.device(), ", communicator on ", dev);
@@ -325,7 +350,7 @@ class NcclBackend final : public c10d::Backend {
         BYTESCALE_NCCL(ncclRecv(op.tensor.data_ptr(), op.tensor.numel(), dt, op.peer, comm, stream_->stream()), what);
       c10::cuda::CUDACachingAllocator::recordStream(op.tensor.storage().data_ptr(), *stream_);
     }
-    BYTESCALE_NCCL(ncclGroupEnd(), what);
+    group_.end();
     end->record(*stream_);
     return std::make_unique<NcclExchange>(dev, end);
   }
@@ -336,7 +361,7 @@ class NcclBackend final : public c10d::Backend {
     checkCuda(ts, "all_reduce");
     auto op = o.reduceOp;
     return launch("all_reduce", c10d::OpType::ALLREDUCE, ts, ts, true, [&](ncclComm_t c, cudaStream_t s) {
-      BYTESCALE_NCCL(ncclGroupStart(), "all_reduce");
+      GroupGuard group_("all_reduce");
       std::vector<RedOp> created;
       for (auto& t : ts) {
         RedOp r = ncclOp(op, t, c, "all_reduce");
@@ -344,7 +369,7 @@ class NcclBackend final : public c10d::Backend {
                                      ncclType(t.scalar_type(), "all_reduce"), r.op, c, s), "all_reduce");
         if (r.created) created.push_back(r);
       }
-      BYTESCALE_NCCL(ncclGroupEnd(), "all_reduce");
+      group_.end();
       for (auto& r : created) ncclRedOpDestroy(r.op, c);
     });
   }
@@ -357,11 +382,11 @@ class NcclBackend final : public c10d::Backend {
     checkCuda(ts, "broadcast");
     int root = static_cast<int>(o.rootRank);
     return launch("broadcast", c10d::OpType::BROADCAST, ts, ts, true, [&](ncclComm_t c, cudaStream_t s) {
-      BYTESCALE_NCCL(ncclGroupStart(), "broadcast");
+      GroupGuard group_("broadcast");
       for (auto& t : ts)
         BYTESCALE_NCCL(ncclBroadcast(t.data_ptr(), t.data_ptr(), t.numel(),
                                      ncclType(t.scalar_type(), "broadcast"), root, c, s), "broadcast");
-      BYTESCALE_NCCL(ncclGroupEnd(), "broadcast");
+      group_.end();
     });
   }
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& ts,
@@ -381,6 +406,8 @@ class NcclBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
                                                  const c10d::AllgatherOptions&) override {
     checkCuda({out, in}, "all_gather_into_tensor");
+    TORCH_CHECK(out.scalar_type() == in.scalar_type(), "bytescale all_gather_into_tensor: dtype ",
+                in.scalar_type(), " in, ", out.scalar_type(), " out");
     TORCH_CHECK(out.numel() == in.numel() * getSize(), "bytescale all_gather_into_tensor: output has ",
                 out.numel(), " elements, needs ", in.numel() * getSize());
     return launch("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE, {in}, {out}, true,
@@ -419,19 +446,26 @@ class NcclBackend final : public c10d::Backend {
     checkCuda(ins, "all_gather_into_tensor_coalesced");
     TORCH_CHECK(outs.size() == ins.size(), "bytescale all_gather_into_tensor_coalesced: ", outs.size(),
                 " outputs for ", ins.size(), " inputs");
+    checkCuda(outs, "all_gather_into_tensor_coalesced");
+    for (size_t k = 0; k < ins.size(); ++k)
+      TORCH_CHECK(outs[k].scalar_type() == ins[k].scalar_type() && outs[k].numel() == ins[k].numel() * getSize(),
+                  "bytescale all_gather_into_tensor_coalesced: tensor ", k, " has input ", ins[k].sizes(), " ",
+                  ins[k].scalar_type(), " and output ", outs[k].sizes(), " ", outs[k].scalar_type());
     return launch("all_gather_into_tensor_coalesced", c10d::OpType::COALESCED, ins, outs, true,
                   [&](ncclComm_t c, cudaStream_t s) {
-                    BYTESCALE_NCCL(ncclGroupStart(), "all_gather_coalesced");
+                    GroupGuard group_("all_gather_coalesced");
                     for (size_t k = 0; k < ins.size(); ++k)
                       BYTESCALE_NCCL(ncclAllGather(ins[k].data_ptr(), outs[k].data_ptr(), ins[k].numel(),
                                                    ncclType(ins[k].scalar_type(), "all_gather"), c, s),
                                      "all_gather_coalesced");
-                    BYTESCALE_NCCL(ncclGroupEnd(), "all_gather_coalesced");
+                    group_.end();
                   });
   }
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
                                                       const c10d::ReduceScatterOptions& o) override {
     checkCuda({out, in}, "reduce_scatter_tensor");
+    TORCH_CHECK(out.scalar_type() == in.scalar_type(), "bytescale reduce_scatter_tensor: dtype ",
+                in.scalar_type(), " in, ", out.scalar_type(), " out");
     TORCH_CHECK(in.numel() == out.numel() * getSize(), "bytescale reduce_scatter_tensor: input has ",
                 in.numel(), " elements, needs ", out.numel() * getSize());
     auto op = o.reduceOp;
@@ -450,11 +484,16 @@ class NcclBackend final : public c10d::Backend {
     checkCuda(ins, "reduce_scatter_tensor_coalesced");
     TORCH_CHECK(outs.size() == ins.size(), "bytescale reduce_scatter_tensor_coalesced: ", outs.size(),
                 " outputs for ", ins.size(), " inputs");
+    checkCuda(outs, "reduce_scatter_tensor_coalesced");
+    for (size_t k = 0; k < ins.size(); ++k)
+      TORCH_CHECK(outs[k].scalar_type() == ins[k].scalar_type() && outs[k].numel() * getSize() == ins[k].numel(),
+                  "bytescale reduce_scatter_tensor_coalesced: tensor ", k, " has input ", ins[k].sizes(), " ",
+                  ins[k].scalar_type(), " and output ", outs[k].sizes(), " ", outs[k].scalar_type());
     auto op = o.reduceOp;
     return launch("reduce_scatter_tensor_coalesced", c10d::OpType::COALESCED, ins, outs, true,
                   [&](ncclComm_t c, cudaStream_t s) {
                     std::vector<RedOp> created;
-                    BYTESCALE_NCCL(ncclGroupStart(), "reduce_scatter_coalesced");
+                    GroupGuard group_("reduce_scatter_coalesced");
                     for (size_t k = 0; k < ins.size(); ++k) {
                       RedOp r = ncclOp(op, ins[k], c, "reduce_scatter");
                       BYTESCALE_NCCL(ncclReduceScatter(ins[k].data_ptr(), outs[k].data_ptr(), outs[k].numel(),
@@ -462,7 +501,7 @@ class NcclBackend final : public c10d::Backend {
                                      "reduce_scatter_coalesced");
                       if (r.created) created.push_back(r);
                     }
-                    BYTESCALE_NCCL(ncclGroupEnd(), "reduce_scatter_coalesced");
+                    group_.end();
                     for (auto& r : created) ncclRedOpDestroy(r.op, c);
                   });
   }
@@ -493,6 +532,16 @@ class NcclBackend final : public c10d::Backend {
     };
     fill(in_splits, in);
     fill(out_splits, out);
+    TORCH_CHECK(in.scalar_type() == out.scalar_type(), "bytescale all_to_all_single: dtype ",
+                in.scalar_type(), " in, ", out.scalar_type(), " out");
+    int64_t si = 0, so = 0;
+    for (int j = 0; j < n; ++j) {
+      TORCH_CHECK(in_splits[j] >= 0 && out_splits[j] >= 0, "bytescale all_to_all_single: negative split");
+      si += in_splits[j];
+      so += out_splits[j];
+    }
+    TORCH_CHECK(si == in.size(0) && so == out.size(0), "bytescale all_to_all_single: splits sum to ",
+                si, " and ", so, " but dim 0 is ", in.size(0), " and ", out.size(0));
     return launch("all_to_all_single", c10d::OpType::ALLTOALL_BASE, {in}, {out}, true,
                   [&](ncclComm_t c, cudaStream_t s) {
                     const int64_t row_in = in.numel() / std::max<int64_t>(1, in.size(0));
@@ -500,7 +549,7 @@ class NcclBackend final : public c10d::Backend {
                     auto dt = ncclType(in.scalar_type(), "all_to_all");
                     const int64_t es = in.element_size();
                     int64_t io = 0, oo = 0;
-                    BYTESCALE_NCCL(ncclGroupStart(), "all_to_all_single");
+                    GroupGuard group_("all_to_all_single");
                     for (int j = 0; j < n; ++j) {
                       if (in_splits[j])
                         BYTESCALE_NCCL(ncclSend(static_cast<char*>(in.data_ptr()) + io * row_in * es,
@@ -511,7 +560,7 @@ class NcclBackend final : public c10d::Backend {
                       io += in_splits[j];
                       oo += out_splits[j];
                     }
-                    BYTESCALE_NCCL(ncclGroupEnd(), "all_to_all_single");
+                    group_.end();
                   });
   }
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins,
@@ -520,12 +569,12 @@ class NcclBackend final : public c10d::Backend {
     TORCH_CHECK(static_cast<int>(outs.size()) == getSize() && static_cast<int>(ins.size()) == getSize(),
                 "bytescale all_to_all: needs ", getSize(), " inputs and outputs");
     return launch("all_to_all", c10d::OpType::ALLTOALL, ins, outs, true, [&](ncclComm_t c, cudaStream_t s) {
-      BYTESCALE_NCCL(ncclGroupStart(), "all_to_all");
+      GroupGuard group_("all_to_all");
       for (int j = 0; j < getSize(); ++j) {
         BYTESCALE_NCCL(ncclSend(ins[j].data_ptr(), ins[j].numel(), ncclType(ins[j].scalar_type(), "all_to_all"), j, c, s), "all_to_all");
         BYTESCALE_NCCL(ncclRecv(outs[j].data_ptr(), outs[j].numel(), ncclType(outs[j].scalar_type(), "all_to_all"), j, c, s), "all_to_all");
       }
-      BYTESCALE_NCCL(ncclGroupEnd(), "all_to_all");
+      group_.end();
     });
   }
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outs,
@@ -540,7 +589,7 @@ class NcclBackend final : public c10d::Backend {
     }
     return launch("gather", c10d::OpType::GATHER, ins, flat, true, [&](ncclComm_t c, cudaStream_t s) {
       auto dt = ncclType(ins[0].scalar_type(), "gather");
-      BYTESCALE_NCCL(ncclGroupStart(), "gather");
+      GroupGuard group_("gather");
       if (getRank() == root) {
         for (int j = 0; j < getSize(); ++j) {
           if (j == root) continue;
@@ -549,7 +598,7 @@ class NcclBackend final : public c10d::Backend {
       } else {
         BYTESCALE_NCCL(ncclSend(ins[0].data_ptr(), ins[0].numel(), dt, root, c, s), "gather");
       }
-      BYTESCALE_NCCL(ncclGroupEnd(), "gather");
+      group_.end();
       if (getRank() == root) flat[root].copy_(ins[0].view(flat[root].sizes()));
     });
   }
@@ -566,14 +615,14 @@ class NcclBackend final : public c10d::Backend {
     }
     return launch("scatter", c10d::OpType::SCATTER, src, outs, true, [&](ncclComm_t c, cudaStream_t s) {
       auto dt = ncclType(outs[0].scalar_type(), "scatter");
-      BYTESCALE_NCCL(ncclGroupStart(), "scatter");
+      GroupGuard group_("scatter");
       if (getRank() == root) {
         for (int j = 0; j < getSize(); ++j)
           if (j != root) BYTESCALE_NCCL(ncclSend(src[j].data_ptr(), src[j].numel(), dt, j, c, s), "scatter");
       } else {
         BYTESCALE_NCCL(ncclRecv(outs[0].data_ptr(), outs[0].numel(), dt, root, c, s), "scatter");
       }
-      BYTESCALE_NCCL(ncclGroupEnd(), "scatter");
+      group_.end();
       if (getRank() == root) outs[0].copy_(src[root].view(outs[0].sizes()));
     });
   }
@@ -586,7 +635,7 @@ class NcclBackend final : public c10d::Backend {
     return p2p(comm::P2POp::kRecv, ts[0], src, "recv");
   }
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions&) override {
-    TORCH_CHECK(comm_, "bytescale barrier on CUDA: no communicator yet");
+    requireComm("barrier on CUDA");
     c10::cuda::CUDAGuard g(device_);
     at::Tensor t = at::zeros({1}, at::TensorOptions().device(device_).dtype(at::kFloat));
     std::vector<at::Tensor> ts{t};
@@ -614,7 +663,7 @@ class NcclBackend final : public c10d::Backend {
     for (auto& op : ops) ts.push_back(op.tensor);
     return launch("batch_isend_irecv", c10d::OpType::COALESCED, ts, ts, false,
                   [&](ncclComm_t c, cudaStream_t s) {
-                    BYTESCALE_NCCL(ncclGroupStart(), "batch_isend_irecv");
+                    GroupGuard group_("batch_isend_irecv");
                     for (auto& op : ops) {
                       if (op.tensor.numel() == 0) continue;
                       auto dt = ncclType(op.tensor.scalar_type(), "batch_isend_irecv");
@@ -623,7 +672,7 @@ class NcclBackend final : public c10d::Backend {
                       else
                         BYTESCALE_NCCL(ncclRecv(op.tensor.data_ptr(), op.tensor.numel(), dt, op.peer, c, s), "batch_isend_irecv");
                     }
-                    BYTESCALE_NCCL(ncclGroupEnd(), "batch_isend_irecv");
+                    group_.end();
                   });
   }
 
@@ -646,11 +695,12 @@ class NcclBackend final : public c10d::Backend {
   }
   void abort() override {
     aborted_->store(true);
-    std::lock_guard<std::mutex> g(comm_mu_);
-    if (comm_) {
-      ncclCommAbort(comm_);
-      comm_ = nullptr;
+    ncclComm_t comm = nullptr;
+    {
+      std::lock_guard<std::mutex> g(comm_mu_);
+      std::swap(comm, comm_);
     }
+    if (comm) ncclCommAbort(comm);
   }
 
  private:
@@ -682,13 +732,18 @@ class NcclBackend final : public c10d::Backend {
 
   // Releases finished works' tensors; aborts the communicator on timeout or async NCCL error.
   void watchdogLoop() {
-    std::unique_lock<std::mutex> lk(wd_mu_);
-    while (!shut_down_) {
-      wd_cv_.wait_for(lk, std::chrono::milliseconds(100));
-      if (shut_down_) break;
+    for (;;) {
+      std::deque<c10::intrusive_ptr<NcclWork>> batch;
+      {
+        std::unique_lock<std::mutex> lk(wd_mu_);
+        wd_cv_.wait_for(lk, std::chrono::milliseconds(100));
+        if (shut_down_) return;
+        batch.swap(pending_);
+      }
+      // Outside wd_mu_: releasing tensors may need the GIL, which a tracking thread may hold.
       std::deque<c10::intrusive_ptr<NcclWork>> still;
       std::string failed;
-      for (auto& w : pending_) {
+      for (auto& w : batch) {
         bool done = false;
         try {
           done = w->done();
@@ -703,20 +758,26 @@ class NcclBackend final : public c10d::Backend {
           still.push_back(w);
         }
       }
-      pending_.swap(still);
-      ncclComm_t comm = comm_;
-      if (comm && failed.empty()) {
+      batch.clear();
+      {
+        std::lock_guard<std::mutex> g(wd_mu_);
+        for (auto& w : still) pending_.push_front(w);
+      }
+      if (failed.empty()) {
+        std::lock_guard<std::mutex> g(comm_mu_);
         ncclResult_t async = ncclSuccess;
-        if (ncclCommGetAsyncError(comm, &async) == ncclSuccess && async != ncclSuccess)
+        if (comm_ && ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess)
           failed = std::string("asynchronous NCCL error: ") + ncclGetErrorString(async);
       }
-      if (!failed.empty() && !aborted_->load()) {
+      if (!failed.empty() && !aborted_->exchange(true)) {
         fprintf(stderr, "[bytescale watchdog] rank %d: %s; aborting the NCCL communicator\n",
                 getRank(), failed.c_str());
-        aborted_->store(true);
+        ncclComm_t comm = nullptr;
+        {
+          std::lock_guard<std::mutex> g(comm_mu_);
+          std::swap(comm, comm_);
+        }
         if (comm) ncclCommAbort(comm);
-        std::lock_guard<std::mutex> g(comm_mu_);
-        comm_ = nullptr;
       }
     }
   }
