@@ -11,7 +11,7 @@ two zig-zag chunks (chunk ``pos`` then chunk ``2N-1-pos`` of ``2N``), for any do
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 

@@ -64,7 +64,7 @@ def build_model(args, device):
 
 
 def train(args, name, plan_fn, device):
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     lengths = sample_lengths("byted", args.num_sequences, seed=args.seed, scale=args.scale,
                              max_len=args.capacity * world)
     data = SyntheticTokens(lengths.tolist(), vocab_size=256, seed=args.seed)

@@ -14,7 +14,7 @@ def test_sharded_chunks_labels_and_positions_reassemble_the_document():
     doc = torch.arange(1000, 1000 + 23)
     ds = InMemoryTokens([doc])
     for n in (1, 2, 3, 5, 13):  # 13 ranks: 26 chunks for 23 tokens, some empty
-        got_ids, got_lab, got_pos = {}, {}, {}
+        got_ids, got_lab = {}, {}
         total = 0
         for i in range(n):
             spec = MicroBatchSpec(local=[], sharded=[SequenceSpec(0, 23, n, i)], group=tuple(range(n)))
