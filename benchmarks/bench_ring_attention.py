@@ -1,77 +1,184 @@
 """Ring attention benchmark: a "virtual ring" of N = 1, 2, 4, 8 positions run in one process (the
-same block + LSE-merge code a real ring runs, minus communication) against monolithic attention on
-the same documents, side by side in one run.
+very block steps a real ring runs -- flash attention per step on CUDA, bytescale's gather /
+scatter-add / LSE-merge kernels -- minus the communication) against monolithic attention on the
+same documents, side by side in one run.
 
     python benchmarks/bench_ring_attention.py            # CPU, fp32, head dim 64, 2K-8K tokens
-    python benchmarks/bench_ring_attention.py --cuda     # one GPU, bf16, head dim 128, 8K-128K
+    python benchmarks/bench_ring_attention.py --cuda --png benchmarks/ring_attention.png
+                                                         # one GPU, bf16, head dim 128, 8K-128K
 
-Reports forward time of the whole virtual ring (all N positions in sequence, i.e. the total work;
-a real ring divides it over N ranks), its ratio to bytescale's monolithic varlen op (N = 1 on the
-full sequence) and to torch's scaled_dot_product_attention, and causal-attention TFLOP/s
-(2 * 2 * S^2 * Hq * D / 2 FLOPs forward). fwd+bwd is reported for the monolithic ops.
+The virtual ring's time is the TOTAL work of all N ranks (a real ring divides it over N ranks
+and overlaps the K/V exchange with it); its ratio to monolithic attention on the full sequence
+is the ring's compute efficiency (1.0 = no overhead from splitting into blocks). TFLOP/s count
+causal attention: forward 2 * 2 * S^2 * Hq * D / 2, backward 2.5x that. On CUDA the monolithic
+references are torch's SDPA with the flash and the cuDNN backends; the LSE-merge kernel's
+bandwidth is reported against a device-to-device copy measured in the same run.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import time
 
 import torch
 import torch.nn.functional as F
 
 import bytescale  # noqa: F401
-from bytescale.ring import varlen_attention
+from bytescale.ring import shard_order, varlen_attention, virtual_ring_attention
 
 
-def bench(fn, sync, reps):
-    fn()
-    sync()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def timer(cuda: bool):
+    if not cuda:
+        def run(fn, reps):
+            fn()
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+            return sorted(ts)[len(ts) // 2]
+        return run
+
+    def run(fn, reps):
         fn()
-        sync()
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2]
+        fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) / 1e3)
+        return sorted(ts)[len(ts) // 2]
+    return run
+
+
+def sdpa_fn(q, k, v, backend, bwd):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+          "cpu": SDPBackend.MATH}[backend]
+    hq, hkv = q.shape[1], k.shape[1]
+    # (1, H, S, D); GQA by repeating K/V heads (not every backend takes enable_gqa)
+    qs = q.transpose(0, 1)[None].detach().requires_grad_(bwd)
+    ks = k.repeat_interleave(hq // hkv, 1).transpose(0, 1)[None].detach().requires_grad_(bwd)
+    vs = v.repeat_interleave(hq // hkv, 1).transpose(0, 1)[None].detach().requires_grad_(bwd)
+    dout = torch.randn_like(qs)
+
+    def f():
+        with sdpa_kernel([be]):
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+            if bwd:
+                torch.autograd.grad(o, (qs, ks, vs), dout)
+    return f
+
+
+def ring_fn(q, k, v, s, n, bwd):
+    qs, ks, vs = (shard_order(x, [s], n).detach().requires_grad_(bwd) for x in (q, k, v))
+    dout = torch.randn_like(qs)
+
+    def f():
+        o = virtual_ring_attention(qs, ks, vs, [s], n)
+        if bwd:
+            torch.autograd.grad(o, (qs, ks, vs), dout)
+    return f
+
+
+def merge_bandwidth(run, reps):
+    import bytescale._C as C
+
+    t, h, d = 131072, 32, 128
+    out = torch.randn(t, h, d, device="cuda")
+    lse = torch.randn(h, t, device="cuda")
+    ob = torch.randn(t, h, d, device="cuda").bfloat16()
+    lb = torch.randn(h, t, device="cuda")
+    nbytes = out.numel() * (4 + 2 + 4) + lse.numel() * 4 * 3  # read out, out_b; write out; lse x3
+    tm = run(lambda: C.attention.merge_lse_(out, lse, ob, lb), reps)
+    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(big)
+    tc = run(lambda: dst.copy_(big), reps)
+    return nbytes / tm / 1e12, 2 * big.numel() / tc / 1e12
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cuda", action="store_true")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--lengths", type=int, nargs="*")
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--png", help="plot efficiency vs N here")
     a = ap.parse_args(argv)
-    dev = "cuda" if a.cuda else "cpu"
-    dtype = torch.bfloat16 if a.cuda else torch.float32
-    hq, hkv, d = (32, 8, 128) if a.cuda else (8, 2, 64)
-    lengths = [8192, 32768, 131072] if a.cuda else [2048, 4096, 8192]
-    sync = torch.cuda.synchronize if a.cuda else (lambda: None)
-    print(f"# bench_ring_attention ({datetime.date.today()}, {dev}, {dtype}, Hq={hq} Hkv={hkv} D={d}, "
-          f"causal, torch {torch.__version__}, {torch.get_num_threads()} threads)\n")
-    print("| tokens | N | virtual ring fwd (ms) | vs bytescale monolithic | vs torch SDPA | TFLOP/s |")
-    print("|---|---|---|---|---|---|")
+    cuda = a.cuda
+    dev = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    hq, hkv, d = (32, 8, 128) if cuda else (8, 2, 64)
+    lengths = a.lengths or ([8192, 32768, 131072] if cuda else [2048, 4096, 8192])
+    run = timer(cuda)
+    refs = ["flash", "cudnn"] if cuda else ["cpu"]
+    dev_name = torch.cuda.get_device_name() if cuda else "CPU"
+    print(f"# bench_ring_attention ({datetime.date.today()}, {dev_name}, {dtype}, Hq={hq} Hkv={hkv} "
+          f"D={d}, causal, one document, torch {torch.__version__})\n")
+    print("| tokens | pass | N | virtual ring (ms) | TFLOP/s | " +
+          " | ".join(f"SDPA {r} (ms) | ring eff. vs {r}" for r in refs) + " |")
+    print("|---|---|---|---|---|" + "---|---|" * len(refs))
     rows = []
     for s in lengths:
         g = torch.Generator(device=dev).manual_seed(0)
         q = torch.randn(s, hq, d, device=dev, dtype=dtype, generator=g)
         k = torch.randn(s, hkv, d, device=dev, dtype=dtype, generator=g)
         v = torch.randn(s, hkv, d, device=dev, dtype=dtype, generator=g)
-        flops = 2 * 2 * s * s * hq * d / 2
-        mono = bench(lambda: varlen_attention(q, k, v, [s]), sync, a.reps)
-        qs, ks, vs = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        sdpa = bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
-                     sync, a.reps)
-        for n in (1, 2, 4, 8):
-            t = bench(lambda: torch.ops.bytescale.virtual_ring_attn_fwd(q, k, v, [s], n, True, 0.0), sync, a.reps)
-            rows.append((s, n, t))
-            print(f"| {s} | {n} | {t * 1e3:.1f} | {t / mono:.2f} | {t / sdpa:.2f} | {flops / t / 1e12:.3f} |")
-        # fwd+bwd of the monolithic ops
-        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-        fb_mono = bench(lambda: varlen_attention(qg, kg, vg, [s]).sum().backward(), sync, a.reps)
-        qsg, ksg, vsg = (x.clone().requires_grad_() for x in (qs, ks, vs))
-        fb_sdpa = bench(lambda: F.scaled_dot_product_attention(qsg, ksg, vsg, is_causal=True,
-                                                               enable_gqa=True).sum().backward(), sync, a.reps)
-        print(f"| {s} | mono fwd+bwd | bytescale {fb_mono * 1e3:.1f} ms, SDPA {fb_sdpa * 1e3:.1f} ms "
-              f"| {fb_mono / fb_sdpa:.2f}x SDPA | | |")
+        fwd_flops = 2 * 2 * s * s * hq * d / 2
+        for bwd in (False, True):
+            ref_t = {}
+            for r in refs:
+                try:
+                    ref_t[r] = run(sdpa_fn(q, k, v, r, bwd), a.reps)
+                except RuntimeError as e:  # backend not available for these shapes
+                    print(f"<!-- SDPA {r} unavailable: {str(e).splitlines()[0]} -->")
+                    ref_t[r] = float("nan")
+            flops = fwd_flops * (3.5 if bwd else 1.0)
+            for n in (1, 2, 4, 8):
+                t = run(ring_fn(q, k, v, s, n, bwd), a.reps)
+                row = dict(tokens=s, bwd=bwd, n=n, ms=t * 1e3, tflops=flops / t / 1e12,
+                           **{f"sdpa_{r}_ms": ref_t[r] * 1e3 for r in refs},
+                           **{f"eff_{r}": ref_t[r] / t for r in refs})
+                rows.append(row)
+                print(f"| {s} | {'fwd+bwd' if bwd else 'fwd'} | {n} | {t * 1e3:.2f} | "
+                      f"{row['tflops']:.0f} | " +
+                      " | ".join(f"{ref_t[r] * 1e3:.2f} | {row[f'eff_{r}']:.2f}" for r in refs) + " |")
+        if not cuda:
+            mono = run(lambda: varlen_attention(q, k, v, [s]), a.reps)
+            print(f"| {s} | fwd | bytescale monolithic varlen | {mono * 1e3:.2f} | | | |")
+    if cuda:
+        mb, cb = merge_bandwidth(run, a.reps)
+        print(f"\nLSE-merge kernel (131072 x 32 x 128, bf16 block into fp32): {mb:.2f} TB/s; "
+              f"device-to-device copy (1 GiB, read + write): {cb:.2f} TB/s; ratio {mb / cb:.2f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if a.png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+        for ax, bwd in zip(axes, (False, True)):
+            for s in lengths:
+                pts = [r for r in rows if r["tokens"] == s and r["bwd"] == bwd]
+                ax.plot([r["n"] for r in pts], [r[f"eff_{refs[0]}"] for r in pts], "o-",
+                        label=f"{s // 1024}K tokens")
+            ax.axhline(0.9, color="gray", ls="--", lw=1)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("ring size N (virtual ring, one GPU)")
+            ax.set_title(f"{'fwd+bwd' if bwd else 'fwd'}: SDPA {refs[0]} time / ring time")
+            ax.legend()
+        axes[0].set_ylabel("efficiency")
+        fig.tight_layout()
+        fig.savefig(a.png, dpi=110)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ import torch
 from . import _C  # noqa: F401  (registers the ops)
 from ._zigzag import chunk, local_tokens
 
-__all__ = ["ring_attention", "varlen_attention", "RingLayout", "shard", "unshard"]
+__all__ = ["ring_attention", "varlen_attention", "virtual_ring_attention", "RingLayout", "shard",
+           "unshard"]
 
 _ops = torch.ops.bytescale
 
@@ -44,6 +45,17 @@ def _ring_fwd_fake(q, k, v, doc_lens, ranks, causal, scale):
 
 @torch.library.register_fake("bytescale::ring_attn_bwd")
 def _ring_bwd_fake(dout, q, k, v, out, lse, doc_lens, ranks, causal, scale, bf16_grad_comm):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.register_fake("bytescale::virtual_ring_attn_fwd")
+def _vring_fwd_fake(q, k, v, doc_lens, n, causal, scale):
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=acc)
+
+
+@torch.library.register_fake("bytescale::virtual_ring_attn_bwd")
+def _vring_bwd_fake(dout, q, k, v, out, lse, doc_lens, n, causal, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -84,6 +96,25 @@ def _ring_backward(ctx, dout, dlse):
 torch.library.register_autograd("bytescale::ring_attn_fwd", _ring_backward, setup_context=_ring_setup)
 
 
+def _vring_setup(ctx, inputs, output):
+    q, k, v, doc_lens, n, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.meta = (list(doc_lens), n, causal, scale)
+
+
+def _vring_backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    doc_lens, n, causal, scale = ctx.meta
+    dq, dk, dv = _ops.virtual_ring_attn_bwd(dout.contiguous(), q, k, v, out, lse, doc_lens, n,
+                                            causal, scale)
+    return dq, dk, dv, None, None, None, None
+
+
+torch.library.register_autograd("bytescale::virtual_ring_attn_fwd", _vring_backward,
+                                setup_context=_vring_setup)
+
+
 # ---- functional API ---------------------------------------------------------------------------
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens: Sequence[int],
@@ -109,6 +140,32 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens: 
                                 [int(n) for n in doc_lens], [int(r) for r in ranks], causal,
                                 float(softmax_scale or 0.0))
     return out
+
+
+def virtual_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           doc_lens: Sequence[int], n: int, softmax_scale: Optional[float] = None,
+                           causal: bool = True) -> torch.Tensor:
+    """All ``n`` positions of a ring run in sequence in this one process (differentiable).
+
+    q/k/v are in shard order: ``torch.cat([shard(x, doc_lens, n, pos) for pos in range(n)])``;
+    the output is in the same order. It runs the very block steps a real ring of ``n`` ranks runs
+    (same kernels, same merge), minus the communication, so one device can test and time them.
+    """
+    out, _ = _ops.virtual_ring_attn_fwd(q.contiguous(), k.contiguous(), v.contiguous(),
+                                        [int(x) for x in doc_lens], int(n), causal,
+                                        float(softmax_scale or 0.0))
+    return out
+
+
+def shard_order(full: torch.Tensor, doc_lens: Sequence[int], n: int) -> torch.Tensor:
+    """Packed full documents -> shard order of an ``n`` ring (every position's tokens in turn)."""
+    return torch.cat([shard(full, doc_lens, n, pos) for pos in range(n)])
+
+
+def unshard_order(x: torch.Tensor, doc_lens: Sequence[int], n: int) -> torch.Tensor:
+    """Inverse of :func:`shard_order`."""
+    sizes = [sum(local_tokens(s, n, pos) for s in doc_lens) for pos in range(n)]
+    return unshard(list(torch.split(x, sizes)), doc_lens)
 
 
 # ---- layouts -----------------------------------------------------------------------------------

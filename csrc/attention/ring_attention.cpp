@@ -22,6 +22,7 @@
 #include <string>
 
 #include "attention/block_attention.h"
+#include "attention/block_step.h"
 #include "attention/zigzag.h"
 #include "comm/transport.h"
 
@@ -37,53 +38,8 @@ std::vector<int64_t> checkedLens(c10::IntArrayRef doc_lens, const char* what) {
   return v;
 }
 
-TokenMeta localMeta(const std::vector<int64_t>& lens) {
-  int64_t total = 0;
-  for (auto n : lens) total += n;
-  TokenMeta m{at::empty({total}, at::kLong), at::empty({total}, at::kLong)};
-  int64_t* doc = m.doc.data_ptr<int64_t>();
-  int64_t* pos = m.pos.data_ptr<int64_t>();
-  int64_t t = 0;
-  for (size_t d = 0; d < lens.size(); ++d)
-    for (int64_t p = 0; p < lens[d]; ++p, ++t) {
-      doc[t] = static_cast<int64_t>(d);
-      pos[t] = p;
-    }
-  return m;
-}
-
-int64_t shardTokens(const std::vector<int64_t>& lens, int64_t n, int64_t i) {
-  int64_t t = 0;
-  for (auto s : lens) t += zigzag::local_tokens(s, n, i);
-  return t;
-}
-
-// Tokens of ring position i: for each document, chunk i then chunk 2N-1-i.
-TokenMeta shardMeta(const std::vector<int64_t>& lens, int64_t n, int64_t i) {
-  const int64_t total = shardTokens(lens, n, i);
-  TokenMeta m{at::empty({total}, at::kLong), at::empty({total}, at::kLong)};
-  int64_t* doc = m.doc.data_ptr<int64_t>();
-  int64_t* pos = m.pos.data_ptr<int64_t>();
-  int64_t t = 0;
-  for (size_t d = 0; d < lens.size(); ++d)
-    for (int64_t c : {i, 2 * n - 1 - i}) {
-      auto [a, b] = zigzag::chunk(lens[d], n, c);
-      for (int64_t p = a; p < b; ++p, ++t) {
-        doc[t] = static_cast<int64_t>(d);
-        pos[t] = p;
-      }
-    }
-  return m;
-}
-
 double resolveScale(double scale, const at::Tensor& q) {
   return scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
-}
-
-// (T, H) delta = rowsum(dout * out) -> (H, T)
-at::Tensor rowDelta(const at::Tensor& dout, const at::Tensor& out) {
-  const auto acc = accType(out.scalar_type());
-  return (dout.to(acc) * out.to(acc)).sum(-1).transpose(0, 1).contiguous();
 }
 
 struct Ring {
@@ -127,22 +83,31 @@ std::tuple<at::Tensor, at::Tensor> varlenFwd(const at::Tensor& q, const at::Tens
                                              const at::Tensor& v, c10::IntArrayRef doc_lens,
                                              bool causal, double scale) {
   auto lens = checkedLens(doc_lens, "varlen attention");
-  TokenMeta m = localMeta(lens);
-  TORCH_CHECK(m.doc.numel() == q.size(0) && k.size(0) == q.size(0), "bytescale varlen attention: "
-              "document lengths sum to ", m.doc.numel(), " but q has ", q.size(0), " and k ",
-              k.size(0), " tokens");
-  auto [out, lse] = blockForward(q, k, v, m, m, causal, resolveScale(scale, q));
-  return {out.to(q.scalar_type()), lse};
+  int64_t total = 0;
+  for (auto n : lens) total += n;
+  TORCH_CHECK(total == q.size(0) && k.size(0) == q.size(0), "bytescale varlen attention: "
+              "document lengths sum to ", total, " but q has ", q.size(0), " and k ", k.size(0),
+              " tokens");
+  return attendOnce(q, k, v, BlockPair{lens, 0, 0, 0, causal}, resolveScale(scale, q));
 }
+
+namespace {
+
+// Gradient accumulators in the accumulation dtype.
+at::Tensor zerosAcc(const at::Tensor& like) {
+  return at::zeros(like.sizes(), like.options().dtype(accType(like.scalar_type())));
+}
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlenBwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::IntArrayRef doc_lens, bool causal,
     double scale) {
   auto lens = checkedLens(doc_lens, "varlen attention backward");
-  TokenMeta m = localMeta(lens);
-  auto [dq, dk, dv] = blockBackward(dout, q, k, v, lse, rowDelta(dout, out), m, m, causal,
-                                    resolveScale(scale, q));
+  at::Tensor dq = zerosAcc(q), dk = zerosAcc(k), dv = zerosAcc(v), delta;
+  backwardStep(dout, q, k, v, out, lse, delta, BlockPair{lens, 0, 0, 0, causal},
+               resolveScale(scale, q), dq, dk, dv);
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
 }
 
@@ -152,14 +117,11 @@ std::tuple<at::Tensor, at::Tensor> ringFwd(const at::Tensor& q, const at::Tensor
   auto lens = checkedLens(doc_lens, "ring attention");
   Ring ring = makeRing(ranks, q, "ring attention");
   const double sc = resolveScale(scale, q);
-  TokenMeta qm = shardMeta(lens, ring.n, ring.me);
-  TORCH_CHECK(qm.doc.numel() == q.size(0) && k.size(0) == q.size(0), "bytescale ", ring.what,
-              ": ring position ", ring.me, " of ", ring.n, " holds ", qm.doc.numel(),
+  const int64_t mine = shardTokens(lens, ring.n, ring.me);
+  TORCH_CHECK(mine == q.size(0) && k.size(0) == q.size(0), "bytescale ", ring.what,
+              ": ring position ", ring.me, " of ", ring.n, " holds ", mine,
               " tokens of documents ", doc_lens, " but q has ", q.size(0), " and k ", k.size(0));
-  if (ring.n == 1) {
-    auto [out, lse] = blockForward(q, k, v, qm, qm, causal, sc);
-    return {out.to(q.scalar_type()), lse};
-  }
+  if (ring.n == 1) return attendOnce(q, k, v, BlockPair{lens, 1, 0, 0, causal}, sc);
   const auto acc = accType(q.scalar_type());
   at::Tensor out = at::zeros({q.size(0), q.size(1), q.size(2)}, q.options().dtype(acc));
   at::Tensor lse = at::full({q.size(1), q.size(0)}, -std::numeric_limits<double>::infinity(),
@@ -177,9 +139,8 @@ std::tuple<at::Tensor, at::Tensor> ringFwd(const at::Tensor& q, const at::Tensor
       pending = ring.tr->ringStep(cur, next, buf, prev, ring.what);
     }
     const int64_t t = cur.size(0) / 2;
-    TokenMeta km = shardMeta(lens, ring.n, src);
-    auto [ob, lb] = blockForward(q, cur.narrow(0, 0, t), cur.narrow(0, t, t), qm, km, causal, sc);
-    mergeInto(out, lse, ob, lb);
+    forwardStep(q, cur.narrow(0, 0, t), cur.narrow(0, t, t), BlockPair{lens, ring.n, ring.me, src, causal},
+                sc, out, lse);
     if (pending) {
       pending->wait();
       cur = buf;
@@ -196,15 +157,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ringBwd(
   auto lens = checkedLens(doc_lens, "ring attention backward");
   Ring ring = makeRing(ranks, q, "ring attention backward");
   const double sc = resolveScale(scale, q);
-  TokenMeta qm = shardMeta(lens, ring.n, ring.me);
-  at::Tensor delta = rowDelta(dout, out);
+  at::Tensor delta;
+  at::Tensor dq = zerosAcc(q);
   if (ring.n == 1) {
-    auto [dq, dk, dv] = blockBackward(dout, q, k, v, lse, delta, qm, qm, causal, sc);
+    at::Tensor dk = zerosAcc(k), dv = zerosAcc(v);
+    backwardStep(dout, q, k, v, out, lse, delta, BlockPair{lens, 1, 0, 0, causal}, sc, dq, dk, dv);
     return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
   }
   const auto acc = accType(q.scalar_type());
   const auto comm_dt = bf16_grad_comm && acc == at::kFloat ? at::kBFloat16 : acc;
-  at::Tensor dq = at::zeros({q.size(0), q.size(1), q.size(2)}, q.options().dtype(acc));
   at::Tensor cur = at::cat({k, v}, 0).contiguous();
   at::Tensor dkv = at::zeros({cur.size(0), cur.size(1), cur.size(2)}, q.options().dtype(acc));
   int64_t src = ring.me;
@@ -220,12 +181,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ringBwd(
       pending_kv = ring.tr->ringStep(cur, next, kv_buf, prev, ring.what);
     }
     const int64_t t = cur.size(0) / 2;
-    TokenMeta km = shardMeta(lens, ring.n, src);
-    auto [dqb, dkb, dvb] = blockBackward(dout, q, cur.narrow(0, 0, t), cur.narrow(0, t, t), lse,
-                                         delta, qm, km, causal, sc);
-    dq.add_(dqb);
-    dkv.narrow(0, 0, t).add_(dkb);
-    dkv.narrow(0, t, t).add_(dvb);
+    at::Tensor dk = dkv.narrow(0, 0, t), dv = dkv.narrow(0, t, t);
+    backwardStep(dout, q, cur.narrow(0, 0, t), cur.narrow(0, t, t), out, lse, delta,
+                 BlockPair{lens, ring.n, ring.me, src, causal}, sc, dq, dk, dv);
     // The accumulator follows its block to the next rank; after N hops it is home.
     at::Tensor send = dkv.to(comm_dt).contiguous();
     at::Tensor recv = at::empty({2 * nt, k.size(1), k.size(2)}, q.options().dtype(comm_dt));
@@ -244,47 +202,73 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ringBwd(
           dkv.narrow(0, own, own).to(v.scalar_type())};
 }
 
-// All N ring positions of one ring run in sequence in ONE process on full (unsharded) tensors:
-// position i's queries meet the K/V blocks of positions i, i-1, ... exactly as in the real ring,
-// through the same blockForward + mergeInto code. Lets one device (one GPU) exercise and time the
-// multi-step ring computation. Returns (out, lse) in shard order (position 0's tokens, then 1's...).
+// All N ring positions of one ring run in sequence in ONE process: position i's queries meet the
+// K/V blocks of positions i, i-1, ... exactly as in the real ring, through the same step code
+// (forwardStep / backwardStep) the real ring runs, minus the communication. Lets one device (one
+// GPU) exercise and time the multi-step ring computation. Inputs and outputs are in shard order
+// (position 0's tokens, then position 1's, ...; bytescale.ring.shard gives each part).
+namespace {
+
+std::vector<int64_t> shardOffsets(const std::vector<int64_t>& lens, int64_t n, const at::Tensor& q,
+                                  const char* what) {
+  TORCH_CHECK(n >= 1, "bytescale ", what, ": ring size must be >= 1, got ", n);
+  std::vector<int64_t> offs(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) offs[i + 1] = offs[i] + shardTokens(lens, n, i);
+  TORCH_CHECK(offs.back() == q.size(0), "bytescale ", what, ": document lengths sum to ",
+              offs.back(), " but q has ", q.size(0), " tokens");
+  return offs;
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> virtualRingFwd(const at::Tensor& q, const at::Tensor& k,
                                                   const at::Tensor& v, c10::IntArrayRef doc_lens,
                                                   int64_t n, bool causal, double scale) {
-  auto lens = checkedLens(doc_lens, "virtual ring attention");
-  TORCH_CHECK(n >= 1, "bytescale virtual ring attention: ring size must be >= 1, got ", n);
+  const char* what = "virtual ring attention";
+  auto lens = checkedLens(doc_lens, what);
+  auto offs = shardOffsets(lens, n, q, what);
   const double sc = resolveScale(scale, q);
-  std::vector<int64_t> offs(lens.size() + 1, 0);
-  for (size_t d = 0; d < lens.size(); ++d) offs[d + 1] = offs[d] + lens[d];
-  TORCH_CHECK(offs.back() == q.size(0), "bytescale virtual ring attention: document lengths sum to ",
-              offs.back(), " but q has ", q.size(0), " tokens");
-  std::vector<TokenMeta> metas;
-  std::vector<at::Tensor> idx;
-  for (int64_t i = 0; i < n; ++i) {
-    metas.push_back(shardMeta(lens, n, i));
-    at::Tensor ix = metas.back().pos.clone();
-    auto* p = ix.data_ptr<int64_t>();
-    const auto* d = metas.back().doc.data_ptr<int64_t>();
-    for (int64_t t = 0; t < ix.numel(); ++t) p[t] += offs[d[t]];
-    idx.push_back(ix.to(q.device()));
-  }
   const auto acc = accType(q.scalar_type());
-  std::vector<at::Tensor> outs, lses;
+  at::Tensor out = at::zeros({q.size(0), q.size(1), q.size(2)}, q.options().dtype(acc));
+  at::Tensor lse = at::full({q.size(1), q.size(0)}, -std::numeric_limits<double>::infinity(),
+                            q.options().dtype(acc));
   for (int64_t i = 0; i < n; ++i) {
-    at::Tensor qi = q.index_select(0, idx[i]);
-    at::Tensor out = at::zeros({qi.size(0), q.size(1), q.size(2)}, q.options().dtype(acc));
-    at::Tensor lse = at::full({q.size(1), qi.size(0)}, -std::numeric_limits<double>::infinity(),
-                              q.options().dtype(acc));
+    const int64_t a = offs[i], len = offs[i + 1] - offs[i];
+    at::Tensor qi = q.narrow(0, a, len);
+    at::Tensor oi = out.narrow(0, a, len);
+    at::Tensor li = lse.narrow(1, a, len).contiguous();
     for (int64_t st = 0; st < n; ++st) {
-      const int64_t src = mod(i - st, n);
-      auto [ob, lb] = blockForward(qi, k.index_select(0, idx[src]), v.index_select(0, idx[src]),
-                                   metas[i], metas[src], causal, sc);
-      mergeInto(out, lse, ob, lb);
+      const int64_t src = mod(i - st, n), b = offs[src], kl = offs[src + 1] - offs[src];
+      forwardStep(qi, k.narrow(0, b, kl), v.narrow(0, b, kl), BlockPair{lens, n, i, src, causal}, sc,
+                  oi, li);
     }
-    outs.push_back(out.to(q.scalar_type()));
-    lses.push_back(lse);
+    lse.narrow(1, a, len).copy_(li);
   }
-  return {at::cat(outs, 0), at::cat(lses, 1)};
+  return {out.to(q.scalar_type()), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> virtualRingBwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, c10::IntArrayRef doc_lens, int64_t n, bool causal,
+    double scale) {
+  const char* what = "virtual ring attention backward";
+  auto lens = checkedLens(doc_lens, what);
+  auto offs = shardOffsets(lens, n, q, what);
+  const double sc = resolveScale(scale, q);
+  at::Tensor dq = zerosAcc(q), dk = zerosAcc(k), dv = zerosAcc(v);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t a = offs[i], len = offs[i + 1] - offs[i];
+    at::Tensor qi = q.narrow(0, a, len), doi = dout.narrow(0, a, len), oi = out.narrow(0, a, len);
+    at::Tensor li = lse.narrow(1, a, len).contiguous();
+    at::Tensor dqi = dq.narrow(0, a, len), delta;
+    for (int64_t st = 0; st < n; ++st) {
+      const int64_t src = mod(i - st, n), b = offs[src], kl = offs[src + 1] - offs[src];
+      at::Tensor dki = dk.narrow(0, b, kl), dvi = dv.narrow(0, b, kl);
+      backwardStep(doi, qi, k.narrow(0, b, kl), v.narrow(0, b, kl), oi, li, delta,
+                   BlockPair{lens, n, i, src, causal}, sc, dqi, dki, dvi);
+    }
+  }
+  return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
 }
 
 TORCH_LIBRARY(bytescale, m) {
@@ -299,6 +283,8 @@ TORCH_LIBRARY(bytescale, m) {
         "(Tensor, Tensor, Tensor)");
   m.def("virtual_ring_attn_fwd(Tensor q, Tensor k, Tensor v, int[] doc_lens, int n, bool causal, "
         "float scale) -> (Tensor, Tensor)");
+  m.def("virtual_ring_attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "int[] doc_lens, int n, bool causal, float scale) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(bytescale, CompositeExplicitAutograd, m) {
@@ -307,6 +293,7 @@ TORCH_LIBRARY_IMPL(bytescale, CompositeExplicitAutograd, m) {
   m.impl("ring_attn_fwd", &ringFwd);
   m.impl("ring_attn_bwd", &ringBwd);
   m.impl("virtual_ring_attn_fwd", &virtualRingFwd);
+  m.impl("virtual_ring_attn_bwd", &virtualRingBwd);
 }
 
 }  // namespace attention

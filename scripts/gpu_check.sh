@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU session's checks, in one command for the lent single-GPU machine (see DEVELOPERS notes in
+# benchmarks/RESULTS.md): build there, run the CUDA tests, the benchmarks and a short demo.
+#   bash scripts/gpu_check.sh [build] [test] [bench] [demo]     (default: all)
+# Logs go to $OUT (or ./gpu-out) when set.
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+stages=${*:-build test bench demo}
+rc=0
+has() { [[ " $stages " == *" $1 "* ]]; }
+if has build; then
+  nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
+  t0=$(date +%s)
+  MAX_JOBS=16 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
+  echo "build: $(( $(date +%s) - t0 )) s"
+  cp bytescale/_C*.so "$OUT/" 2>/dev/null
+fi
+if has test; then
+  timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_attention.py tests/test_cuda_backend.py \
+    tests/test_offload.py -k "cuda or Cuda or flash or merge or fused or varlen or fp32" 2>&1 | tee "$OUT/tests.log" | tail -40
+  rc=$(( rc | ${PIPESTATUS[0]} ))
+fi
+if has bench; then
+  timeout 400 python3 benchmarks/bench_ring_attention.py --cuda --json "$OUT/ring.json" --png "$OUT/ring_attention.png" 2>&1 | tee "$OUT/bench_ring.log"
+  rc=$(( rc | ${PIPESTATUS[0]} ))
+fi
+if has offload; then
+  timeout 200 python3 benchmarks/bench_offload.py --cuda --seq 65536 --dim 4096 --layers 4 2>&1 | tee "$OUT/bench_offload.log"
+  rc=$(( rc | ${PIPESTATUS[0]} ))
+fi
+if has demo; then
+  timeout 200 torchrun --standalone --nproc_per_node 1 examples/train_llama.py --device cuda --steps 6 --baseline 2>&1 | tee "$OUT/demo.log" | tail -25
+  rc=$(( rc | ${PIPESTATUS[0]} ))
+fi
+exit $rc
