@@ -67,7 +67,7 @@ void combine(const at::Tensor& dst, const at::Tensor& src, RedOp op) {
 // PREMUL_SUM multiplies every contribution by a factor before summing.
 void premultiply(const at::Tensor& t, const c10d::ReduceOp& op) {
   if (op.op_ != c10d::ReduceOp::PREMUL_SUM) return;
-  auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+  auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
   TORCH_CHECK(sup, "bytescale: PREMUL_SUM without a factor");
   if (sup->tensor_factor.defined())
     t.mul_(sup->tensor_factor.to(t.device(), t.scalar_type()));

@@ -122,7 +122,7 @@ RedOp ncclOp(const c10d::ReduceOp& op, const at::Tensor& t, ncclComm_t comm, con
                   ": ReduceOp.AVG needs a floating dtype, got ", t.scalar_type());
       return {ncclAvg};
     case c10d::ReduceOp::PREMUL_SUM: {
-      auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+      auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
       TORCH_CHECK(sup, "bytescale ", what, ": PREMUL_SUM without a factor");
       TORCH_CHECK(!sup->tensor_factor.defined() || sup->tensor_factor.numel() == 1, "bytescale ",
                   what, ": PREMUL_SUM factor must be a scalar");
