@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import time
 
 import torch
@@ -76,14 +77,18 @@ def sdpa_fn(q, k, v, backend, bwd):
     return f
 
 
-def ring_fn(q, k, v, s, n, bwd):
+def ring_fn(q, k, v, s, n, bwd, kernel):
     qs, ks, vs = (shard_order(x, [s], n).detach().requires_grad_(bwd) for x in (q, k, v))
     dout = torch.randn_like(qs)
 
     def f():
-        o = virtual_ring_attention(qs, ks, vs, [s], n)
-        if bwd:
-            torch.autograd.grad(o, (qs, ks, vs), dout)
+        os.environ["BYTESCALE_ATTENTION_KERNEL"] = kernel
+        try:
+            o = virtual_ring_attention(qs, ks, vs, [s], n)
+            if bwd:
+                torch.autograd.grad(o, (qs, ks, vs), dout)
+        finally:
+            os.environ.pop("BYTESCALE_ATTENTION_KERNEL", None)
     return f
 
 
@@ -121,10 +126,13 @@ def main(argv=None):
     dev_name = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"# bench_ring_attention ({datetime.date.today()}, {dev_name}, {dtype}, Hq={hq} Hkv={hkv} "
           f"D={d}, causal, one document, torch {torch.__version__})\n")
-    print("| tokens | pass | N | virtual ring (ms) | TFLOP/s | " +
-          " | ".join(f"SDPA {r} (ms) | ring eff. vs {r}" for r in refs) + " |")
-    print("|---|---|---|---|---|" + "---|---|" * len(refs))
+    kernels = ["flash", "auto"] if cuda else ["auto"]
     rows = []
+    print("| tokens | pass | N | " + " | ".join(f"ring [{kn}] (ms)" for kn in kernels) +
+          " | TFLOP/s (best ring) | " + " | ".join(f"SDPA {r} (ms)" for r in refs) + " | " +
+          " | ".join(f"eff. ring [{kn}] vs SDPA {r}" for kn in kernels for r in refs) + " |")
+    ncol = 3 + len(kernels) + 1 + len(refs) + len(kernels) * len(refs)
+    print("|" + "---|" * ncol)
     for s in lengths:
         g = torch.Generator(device=dev).manual_seed(0)
         q = torch.randn(s, hq, d, device=dev, dtype=dtype, generator=g)
@@ -141,14 +149,17 @@ def main(argv=None):
                     ref_t[r] = float("nan")
             flops = fwd_flops * (3.5 if bwd else 1.0)
             for n in (1, 2, 4, 8):
-                t = run(ring_fn(q, k, v, s, n, bwd), a.reps)
-                row = dict(tokens=s, bwd=bwd, n=n, ms=t * 1e3, tflops=flops / t / 1e12,
+                t = {kn: run(ring_fn(q, k, v, s, n, bwd, kn), a.reps) for kn in kernels}
+                best = min(t.values())
+                row = dict(tokens=s, bwd=bwd, n=n, tflops=flops / best / 1e12,
+                           **{f"ring_{kn}_ms": t[kn] * 1e3 for kn in kernels},
                            **{f"sdpa_{r}_ms": ref_t[r] * 1e3 for r in refs},
-                           **{f"eff_{r}": ref_t[r] / t for r in refs})
+                           **{f"eff_{kn}_{r}": ref_t[r] / t[kn] for kn in kernels for r in refs})
                 rows.append(row)
-                print(f"| {s} | {'fwd+bwd' if bwd else 'fwd'} | {n} | {t * 1e3:.2f} | "
-                      f"{row['tflops']:.0f} | " +
-                      " | ".join(f"{ref_t[r] * 1e3:.2f} | {row[f'eff_{r}']:.2f}" for r in refs) + " |")
+                print(f"| {s} | {'fwd+bwd' if bwd else 'fwd'} | {n} | " +
+                      " | ".join(f"{t[kn] * 1e3:.2f}" for kn in kernels) + f" | {row['tflops']:.0f} | " +
+                      " | ".join(f"{ref_t[r] * 1e3:.2f}" for r in refs) + " | " +
+                      " | ".join(f"{row[f'eff_{kn}_{r}']:.2f}" for kn in kernels for r in refs) + " |")
         if not cuda:
             mono = run(lambda: varlen_attention(q, k, v, [s]), a.reps)
             print(f"| {s} | fwd | bytescale monolithic varlen | {mono * 1e3:.2f} | | | |")
@@ -165,17 +176,18 @@ def main(argv=None):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
         for ax, bwd in zip(axes, (False, True)):
             for s in lengths:
                 pts = [r for r in rows if r["tokens"] == s and r["bwd"] == bwd]
-                ax.plot([r["n"] for r in pts], [r[f"eff_{refs[0]}"] for r in pts], "o-",
-                        label=f"{s // 1024}K tokens")
+                for kn in kernels:
+                    ax.plot([r["n"] for r in pts], [r[f"eff_{kn}_{refs[-1]}"] for r in pts],
+                            "o-" if kn == "auto" else "x--", label=f"{s // 1024}K, ring [{kn}]")
             ax.axhline(0.9, color="gray", ls="--", lw=1)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("ring size N (virtual ring, one GPU)")
-            ax.set_title(f"{'fwd+bwd' if bwd else 'fwd'}: SDPA {refs[0]} time / ring time")
-            ax.legend()
+            ax.set_title(f"{'fwd+bwd' if bwd else 'fwd'}: SDPA {refs[-1]} time / ring time")
+            ax.legend(fontsize=7)
         axes[0].set_ylabel("efficiency")
         fig.tight_layout()
         fig.savefig(a.png, dpi=110)

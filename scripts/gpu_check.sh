@@ -11,14 +11,18 @@ rc=0
 has() { [[ " $stages " == *" $1 "* ]]; }
 if has build; then
   nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
+  # The image's default c++ (/opt/gcc) links parts of libstdc++ into the extension, whose
+  # iostreams then crash beside torch's libstdc++ (seen 2026-11-22); use the system compiler.
+  if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
+  ${CXX:-c++} --version | head -1
   t0=$(date +%s)
   MAX_JOBS=16 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
   echo "build: $(( $(date +%s) - t0 )) s"
-  cp bytescale/_C*.so "$OUT/" 2>/dev/null
+  ldd bytescale/_C*.so | grep -i "stdc\|nccl"
 fi
 if has test; then
   timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_attention.py tests/test_cuda_backend.py \
-    tests/test_offload.py -k "cuda or Cuda or flash or merge or fused or varlen or fp32" 2>&1 | tee "$OUT/tests.log" | tail -40
+    "tests/test_offload.py::test_cuda_offload_bit_identical" 2>&1 | tee "$OUT/tests.log" | tail -40
   rc=$(( rc | ${PIPESTATUS[0]} ))
 fi
 if has bench; then

@@ -84,6 +84,29 @@ def test_virtual_ring_flash_matches_float64(dtype, case, causal):
             assert err < max(4 * y, 2e-3), f"n={n} {name}: {err:.2e} vs torch's own {y:.2e}"
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_cudnn_steps_match_float64(monkeypatch, causal):
+    """Long segments go to cuDNN's fused attention (one dense call per segment, GQA heads
+    expanded); shorter steps of the same ring fall back to flash. Both against float64."""
+    import bytescale._C as C
+    from bytescale.ring import shard_order, unshard_order, virtual_ring_attention
+
+    monkeypatch.setenv("BYTESCALE_ATTENTION_KERNEL", "cudnn")
+    lens, hq, hkv, d = [9000, 2500], 4, 2, 128
+    q64, k64, v64, dout = _inputs(lens, hq, hkv, d, torch.bfloat16, seed=21)
+    q, k, v = (x.to(torch.bfloat16) for x in (q64, k64, v64))
+    ref = _reference(q, k, v, dout, lens, causal)
+    yard = _sdpa_error(q, k, v, dout, lens, causal, ref)
+    for n in (1, 2, 4):
+        qs, ks, vs = (shard_order(x, lens, n).requires_grad_() for x in (q, k, v))
+        out = virtual_ring_attention(qs, ks, vs, lens, n, causal=causal)
+        grads = torch.autograd.grad(out, (qs, ks, vs), shard_order(dout, lens, n))
+        for name, g, r, y in zip(("out", "dq", "dk", "dv"), (out, *grads), ref, yard):
+            err = _rel(unshard_order(g, lens, n), r)
+            assert err < max(4 * y, 2e-3), f"n={n} {name}: {err:.2e} vs torch's own {y:.2e}"
+    assert not C.attention.cudnn_failed(), "cuDNN rejected the configuration (flash was used)"
+
+
 def test_fused_and_tiled_kernels_agree(monkeypatch):
     from bytescale.ring import shard_order, virtual_ring_attention
 

@@ -41,6 +41,8 @@ void bind_attention(pybind11::module_& m) {
                          const at::Tensor& lse_b) { cuda::mergeLse(out, lse, out_b, lse_b, at::Tensor()); },
         "In-place log-sum-exp merge of (out_b, lse_b) into (out, lse) on CUDA (identity rows).");
   m.def("flash_usable", &cuda::flashUsable);
+  m.def("cudnn_failed", &cuda::cudnnFailed,
+        "True once cuDNN rejected a configuration (steps then use flash attention).");
 #endif
 }
 

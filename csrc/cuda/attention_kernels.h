@@ -57,5 +57,23 @@ void flashBackwardStep(const at::Tensor& dout, const at::Tensor& q, const at::Te
                        const attention::BlockPlan& plan, double scale, at::Tensor& dq,
                        at::Tensor& dk, at::Tensor& dv);
 
+// ---- cuDNN steps (cudnn_block.cpp) -----------------------------------------------------------
+
+// Whether a step's segments go to cuDNN's fused attention: every segment >= 1024 query and key
+// rows, at most 8 segments, head dim <= 128, on Hopper (BYTESCALE_ATTENTION_KERNEL=cudnn: on any
+// GPU; =flash: never), and cuDNN has not failed before in this process.
+bool cudnnPreferred(const at::Tensor& q, const attention::BlockPlan& plan);
+bool cudnnFailed();
+
+// As flashForwardStep / flashBackwardStep; false (accumulators untouched) if cuDNN rejected the
+// configuration, after which cudnnPreferred() is false for the rest of the process.
+bool cudnnForwardStep(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const attention::BlockPlan& plan, double scale, at::Tensor& out,
+                      at::Tensor& lse);
+bool cudnnBackwardStep(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                       const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                       const attention::BlockPlan& plan, double scale, at::Tensor& dq,
+                       at::Tensor& dk, at::Tensor& dv);
+
 }  // namespace cuda
 }  // namespace bytescale

@@ -10,6 +10,7 @@
 #include <ATen/ops/_flash_attention_backward.h>
 #include <ATen/ops/_flash_attention_forward.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
@@ -17,6 +18,7 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 
 #include "cuda/attention_kernels.h"
 
@@ -114,6 +116,12 @@ std::tuple<at::Tensor, at::Tensor> flashAttend(const at::Tensor& q, const at::Te
                                                double scale) {
   checkInputs(q, k, v, plan);
   TORCH_CHECK(plan.queriesContiguous(), "bytescale flashAttend: internal error, queries not covered");
+  if (cudnnPreferred(q, plan)) {
+    at::Tensor out = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+    at::Tensor lse = at::full({q.size(1), q.size(0)}, -std::numeric_limits<double>::infinity(),
+                              q.options().dtype(at::kFloat));
+    if (cudnnForwardStep(q, k, v, plan, scale, out, lse)) return {out.to(q.scalar_type()), lse};
+  }
   if (plan.empty())
     return {at::zeros(q.sizes(), q.options()),
             at::empty({q.size(1), 0}, q.options().dtype(at::kFloat))};
@@ -130,6 +138,7 @@ void flashForwardStep(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       at::Tensor& lse) {
   checkInputs(q, k, v, plan);
   if (plan.empty()) return;
+  if (cudnnPreferred(q, plan) && cudnnForwardStep(q, k, v, plan, scale, out, lse)) return;
   const c10::cuda::CUDAGuard guard(q.device());
   Tables t = makeTables(plan, q.device());
   at::Tensor qs = gathered(q, t.q_table, t.q_total);
@@ -150,6 +159,8 @@ void flashBackwardStep(const at::Tensor& dout, const at::Tensor& q, const at::Te
                        at::Tensor& dk, at::Tensor& dv) {
   checkInputs(q, k, v, plan);
   if (plan.empty()) return;
+  if (cudnnPreferred(q, plan) && cudnnBackwardStep(dout, q, k, v, out, lse, plan, scale, dq, dk, dv))
+    return;
   const c10::cuda::CUDAGuard guard(q.device());
   Tables t = makeTables(plan, q.device());
   at::Tensor qs = gathered(q, t.q_table, t.q_total);
