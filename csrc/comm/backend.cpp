@@ -119,6 +119,11 @@ void BytescaleBackend::eagerConnectSingleDevice(at::Device device) {
 #endif
 }
 
+void BytescaleBackend::setBoundDeviceId(std::optional<at::Device> device) {
+  c10d::Backend::setBoundDeviceId(device);
+  if (device && device->type() == c10::DeviceType::CUDA) eagerConnectSingleDevice(*device);
+}
+
 void BytescaleBackend::check(c10::DeviceType dt, int op, const at::Tensor& t, bool shape_known,
                              int64_t extra, const std::string& what) {
   if (dt != c10::DeviceType::CPU || !group_ops::checksEnabled() || getSize() == 1) return;

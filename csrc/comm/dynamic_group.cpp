@@ -14,7 +14,11 @@ std::shared_ptr<Transport> requireTransport(c10::DeviceType device, const std::s
   auto tr = worldTransport(device);
   TORCH_CHECK(tr, "bytescale ", what, ": no bytescale transport for ", c10::DeviceTypeName(device),
               " tensors (call dist.init_process_group(\"bytescale\") first",
-              device == c10::DeviceType::CUDA ? "; CUDA needs a CUDA build of bytescale)" : ")");
+              device == c10::DeviceType::CUDA
+                  ? "; on CUDA the world NCCL communicator is created by init_process_group(..., "
+                    "device_id=torch.device(\"cuda\", local_rank)) or by the first world "
+                    "collective on a CUDA tensor, on every rank; and bytescale must be built with CUDA)"
+                  : ")");
   return tr;
 }
 
