@@ -84,8 +84,19 @@ def attention(
     """Attention for packed (T, H, D) q/k/v under the current micro-batch layout (see module doc)."""
     layout = current_layout()
     if layout is None:
-        return reference_varlen_attention(q, k, v, [q.shape[0]], softmax_scale, causal)
+        return local_attention(q, k, v, [q.shape[0]], softmax_scale, causal)
     return layout.attention(q, k, v, softmax_scale=softmax_scale, causal=causal)
+
+
+def local_attention(q, k, v, doc_lens, softmax_scale=None, causal=True):
+    """Attention over wholly local packed documents: on CUDA bytescale's varlen op (one fused
+    flash / cuDNN call for all documents, no S x S matrix); on CPU torch's SDPA per document (its
+    fused CPU kernel is faster than bytescale's tiled one, benchmarks/RESULTS.md)."""
+    if q.is_cuda:
+        from .ring import varlen_attention
+
+        return varlen_attention(q, k, v, doc_lens, softmax_scale, causal)
+    return reference_varlen_attention(q, k, v, doc_lens, softmax_scale, causal)
 
 
 class LocalLayout:
@@ -97,7 +108,7 @@ class LocalLayout:
             raise ValueError(f"LocalLayout: negative document length in {self.doc_lens}")
 
     def attention(self, q, k, v, softmax_scale=None, causal=True):
-        return reference_varlen_attention(q, k, v, self.doc_lens, softmax_scale, causal)
+        return local_attention(q, k, v, self.doc_lens, softmax_scale, causal)
 
     def __repr__(self) -> str:
         return f"LocalLayout(doc_lens={self.doc_lens})"

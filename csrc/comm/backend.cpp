@@ -66,6 +66,12 @@ BytescaleBackend::BytescaleBackend(c10::intrusive_ptr<c10d::Store> store, int ra
   TORCH_CHECK(gloo_, "bytescale: the world backend needs a Gloo backend for CPU tensors");
   cpu_ = std::make_shared<GlooTransport>(gloo_, rank, size, timeout);
   registerWorldTransport(c10::DeviceType::CPU, cpu_);
+#ifdef BYTESCALE_HAVE_NCCL
+  // Register the CUDA transport now (its communicator is still created lazily, by the first
+  // world collective on a CUDA tensor or by device_id=), so dynamic groups and ring attention
+  // find it and can say precisely what is missing.
+  if (at::hasCUDA()) native(c10::DeviceType::CUDA, "init");
+#endif
 }
 
 BytescaleBackend::~BytescaleBackend() {
@@ -117,11 +123,6 @@ void BytescaleBackend::eagerConnectSingleDevice(at::Device device) {
 #ifdef BYTESCALE_HAVE_NCCL
   cuda::eagerConnect(nccl_, device.index());
 #endif
-}
-
-void BytescaleBackend::setBoundDeviceId(std::optional<at::Device> device) {
-  c10d::Backend::setBoundDeviceId(device);
-  if (device && device->type() == c10::DeviceType::CUDA) eagerConnectSingleDevice(*device);
 }
 
 void BytescaleBackend::check(c10::DeviceType dt, int op, const at::Tensor& t, bool shape_known,

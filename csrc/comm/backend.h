@@ -80,12 +80,6 @@ class BytescaleBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
   void eagerConnectSingleDevice(at::Device device) override;
-  // torch binds `device_id=` of init_process_group to every backend of the group through this
-  // hook, but calls eagerConnectSingleDevice only for backends that support splitting (NCCL's);
-  // connecting here makes device_id= create the world NCCL communicator at init for bytescale
-  // too (every rank runs init_process_group, so the collective creation is safe). Not marked
-  // override: the hook is virtual in the torch versions that call it.
-  void setBoundDeviceId(std::optional<at::Device> device);
   void shutdown() override;
   void abort() override;
 

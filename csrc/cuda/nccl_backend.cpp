@@ -812,6 +812,10 @@ class NcclTransport final : public comm::Transport {
   }
   c10::intrusive_ptr<c10d::Work> run(const std::string& what, std::vector<at::Tensor> outputs,
                                      std::function<void()> body) override {
+    // A world of one has no peer to deadlock with: create the communicator on first use. With
+    // more ranks it must come from a world collective (or device_id=), run by every rank.
+    if (b_->getSize() == 1 && !outputs.empty() && outputs[0].is_cuda())
+      b_->connect(outputs[0].device().index());
     std::vector<at::Tensor> none;
     return b_->launch(what, c10d::OpType::UNKNOWN, none, std::move(outputs), false,
                       [&](ncclComm_t, cudaStream_t) { body(); });
