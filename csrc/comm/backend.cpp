@@ -19,9 +19,11 @@ namespace comm {
 
 namespace {
 std::mutex g_registry_mu;
+// Never destroyed: a transport still registered at process exit (a process group that was not
+// destroyed) must not run its destructor after the CUDA driver has shut down.
 std::unordered_map<int, std::shared_ptr<Transport>>& registry() {
-  static std::unordered_map<int, std::shared_ptr<Transport>> r;
-  return r;
+  static auto* r = new std::unordered_map<int, std::shared_ptr<Transport>>();
+  return *r;
 }
 }  // namespace
 
