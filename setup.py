@@ -8,6 +8,7 @@ Environment knobs:
   BYTESCALE_NO_CUDA=1   build the CPU-only extension even with a CUDA torch.
   BYTESCALE_DEBUG=1     -O0 -g.
   MAX_JOBS=N            parallel compile jobs (ninja).
+  TORCH_CUDA_ARCH_LIST  CUDA targets; default: the visible GPUs, or 8.0;9.0+PTX when none is visible.
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
+# CUDA targets when no GPU is visible at build time: Ampere (A100) and Hopper (H100/H200) machine
+# code, plus Hopper PTX that newer GPUs JIT-compile.
+DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
 
 
 def read_sources() -> dict[str, list[str]]:
@@ -95,6 +99,12 @@ def build_extension():
         want_cuda = False
 
     if want_cuda:
+        # With no GPU visible and no TORCH_CUDA_ARCH_LIST, torch derives an EMPTY arch list from
+        # the visible devices and fails inside cpp_extension (IndexError in _get_cuda_arch_flags):
+        # exactly CI's and a build machine's case. Pick the data-centre targets ourselves.
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and torch.cuda.device_count() == 0:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
+            print(f"bytescale: no GPU visible, TORCH_CUDA_ARCH_LIST={DEFAULT_CUDA_ARCHS}", file=sys.stderr)
         os.environ["CUDA_HOME"] = cuda_home  # cpp_extension reads it at import in some versions
         cpp_extension.CUDA_HOME = cuda_home
         sources += src.get("cuda", [])

@@ -32,5 +32,10 @@ export PATH="/usr/lib/ccache:$PATH"
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 echo "setup: building bytescale (MAX_JOBS=$MAX_JOBS)"
 start=$(date +%s)
-$PY -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "^\s*$" | tail -n 20 || true
+log=$(mktemp)
+if ! $PY -m pip install --no-build-isolation --no-deps -e . >"$log" 2>&1; then
+  echo "setup: building bytescale FAILED; the end of the build log:" >&2
+  grep -v "^\s*$" "$log" | tail -n 60 >&2
+  exit 1
+fi
 $PY -c "import bytescale, bytescale._C as C; print('setup: bytescale', bytescale.__version__, 'cuda' if C.with_cuda else 'cpu-only', 'built in', $(date +%s) - $start, 's')"
