@@ -102,7 +102,7 @@ struct Engine::Entry {
 
 #ifdef BYTESCALE_WITH_CUDA
 // ---- CUDA path: pinned pool buffers, a D2H and an H2D stream per device, events for every
-// dependency, no host synchronisation. STATUS: compiled, never run on a GPU (none was lent).
+// dependency, no host synchronisation. Run on one H200 (tests/test_offload.py, 2026-11-22).
 namespace {
 void cudaCheck(cudaError_t e, const char* what) {
   TORCH_CHECK(e == cudaSuccess, "bytescale offload: ", what, ": ", cudaGetErrorString(e));
@@ -128,9 +128,12 @@ struct CudaStreams {
     return it->second;
   }
 };
+// Process-lifetime singletons, deliberately never destroyed: their destructors would run at exit
+// after torch's CUDA state (stream pools, host allocator) is gone, and freeing a pinned tensor
+// then aborts the process ("Unrecognized stream", seen on an H200 2026-11-22).
 CudaStreams& streams() {
-  static CudaStreams s;
-  return s;
+  static auto* s = new CudaStreams();
+  return *s;
 }
 // Host buffers still read by an in-flight H2D copy return to the pool once its event completed.
 struct Deferred {
@@ -138,8 +141,8 @@ struct Deferred {
   std::vector<std::pair<cudaEvent_t, at::Tensor>> items;
 };
 Deferred& deferred() {
-  static Deferred d;
-  return d;
+  static auto* d = new Deferred();
+  return *d;
 }
 void drainDeferred(HostPool& pool) {
   std::lock_guard<std::mutex> g(deferred().mu);
