@@ -8,7 +8,7 @@ OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 stages=${*:-build test bench demo}
 rc=0
-has() { [[ " $stages " == *" $1 "* ]]; }
+has() { [[ " $stages " == *" $1 "* ]] && echo "== stage $1 at $(date +%T)"; }
 if has build; then
   nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
   # The image's default c++ (/opt/gcc) links parts of libstdc++ into the extension, whose
@@ -21,20 +21,22 @@ if has build; then
   ldd bytescale/_C*.so | grep -i "stdc\|nccl"
 fi
 if has test; then
-  timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_attention.py tests/test_cuda_backend.py \
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda_attention.py tests/test_cuda_backend.py \
     "tests/test_offload.py::test_cuda_offload_bit_identical" 2>&1 | tee "$OUT/tests.log" | tail -40
+  rc=$(( rc | ${PIPESTATUS[0]} ))
+  timeout 60 python3 scripts/cuda_smoke.py 2>&1 | tee "$OUT/smoke.log" | tail -5
   rc=$(( rc | ${PIPESTATUS[0]} ))
 fi
 if has bench; then
-  timeout 400 python3 benchmarks/bench_ring_attention.py --cuda --json "$OUT/ring.json" --png "$OUT/ring_attention.png" 2>&1 | tee "$OUT/bench_ring.log"
+  timeout 200 python3 benchmarks/bench_ring_attention.py --cuda --reps ${REPS:-3} --json "$OUT/ring.json" --png "$OUT/ring_attention.png" 2>&1 | tee "$OUT/bench_ring.log"
   rc=$(( rc | ${PIPESTATUS[0]} ))
 fi
 if has offload; then
-  timeout 200 python3 benchmarks/bench_offload.py --cuda --seq 65536 --dim 4096 --layers 4 2>&1 | tee "$OUT/bench_offload.log"
+  timeout 90 python3 benchmarks/bench_offload.py --cuda --seq 32768 --dim 4096 --layers 4 --png "$OUT/offload_cuda.png" 2>&1 | tee "$OUT/bench_offload.log"
   rc=$(( rc | ${PIPESTATUS[0]} ))
 fi
 if has demo; then
-  timeout 200 torchrun --standalone --nproc_per_node 1 examples/train_llama.py --device cuda --steps 6 --baseline 2>&1 | tee "$OUT/demo.log" | tail -25
+  timeout 90 torchrun --standalone --nproc_per_node 1 examples/train_llama.py --device cuda --steps 6 --baseline 2>&1 | tee "$OUT/demo.log" | tail -25
   rc=$(( rc | ${PIPESTATUS[0]} ))
 fi
 exit $rc

@@ -1,6 +1,6 @@
 """CUDA path of the bytescale backend at world size 1 (one GPU): NCCL round trips, non-blocking
-wait, dynamic group of one, attention ops on CUDA. Skipped without a GPU (never yet run: no GPU was
-available to the sessions so far)."""
+wait, dynamic group of one, attention ops on CUDA. Skipped without a GPU; passed on one H200
+(2026-11-22). Multi-GPU NCCL cannot run on the single lent GPU and is unverified."""
 from __future__ import annotations
 
 import time

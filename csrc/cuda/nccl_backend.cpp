@@ -1,4 +1,5 @@
-// See nccl_backend.h. STATUS: compile-verified only; never run on a GPU yet.
+// See nccl_backend.h. STATUS: world size 1 run on one H200 (tests/test_cuda_backend.py,
+// 2026-11-22); multi-GPU communicators never run (only single-GPU machines were lent).
 #include "cuda/nccl_backend.h"
 
 #include <ATen/ATen.h>
