@@ -20,6 +20,8 @@ CASES = [
     ([101, 3, 58], [9, 1], 8, 2, 8, True),   # GQA 4:1, docs shorter than 2N, local + sharded
     ([64, 17], [5], 8, 1, 16, False),         # MQA 8:1, non-causal
     ([1, 2], [], 2, 2, 8, True),              # every doc shorter than 2N for N >= 2
+    ([211, 46], [29], 4, 2, 128, True),       # head dim 128 (Llama-class), GQA 2:1
+    ([173], [], 8, 1, 64, False),             # head dim 64, MQA, non-causal
 ]
 
 
