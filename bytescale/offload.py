@@ -7,7 +7,8 @@
 During forward, every saved activation whose first dimension is the micro-batch's token dimension
 (``seq_len``; any leading size if None) and that is at least ``min_bytes`` large has the leading
 ``ratio`` share of its tokens copied to a host-memory pool by the C++ engine
-(csrc/offload/offload.cpp), off the compute thread; the rest stays in place. Backward fetches them
+(csrc/offload/offload.cpp), off the compute thread; the rest stays in place. A tensor saved by
+several ops (the normed input of the q, k and v projections) is copied once. Backward fetches them
 in reverse order, prefetching the next ``prefetch_depth`` ones while the current one is used.
 Parameters and small tensors are never offloaded. Values are restored bit for bit, so gradients
 are identical to training without offloading; the context composes with activation checkpointing
@@ -20,7 +21,7 @@ passed its bit-identical-gradients test on one H200 (2026-11-22); its speed is n
 from __future__ import annotations
 
 import weakref
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -66,8 +67,9 @@ class OffloadStats:
     def __init__(self) -> None:
         self.offloaded_tensors = 0
         self.offloaded_bytes = 0  # bytes moved to the host pool
-        self.kept_tensors = 0
-        self.kept_bytes = 0  # bytes of saved activations that stayed in place
+        self.kept_tensors = 0  # distinct saved tensors (parameters excluded) kept in place
+        self.kept_bytes = 0  # bytes of saved activations that stayed in place (each tensor once)
+        self.shared_tensors = 0  # saves of a tensor already offloaded (one copy serves all)
 
 
 class offload(torch.autograd.graph.saved_tensors_hooks):
@@ -84,6 +86,11 @@ class offload(torch.autograd.graph.saved_tensors_hooks):
         self.engine = engine or default_engine()
         self.stats = OffloadStats()
         self._packed: List["weakref.ref[_Handle]"] = []
+        # id(tensor) -> (weak tensor, its version, weak handle or None if kept in place): a tensor
+        # saved by several ops (one input feeding the q, k and v projections) is offloaded and
+        # counted once.
+        self._by_id: Dict[int, Tuple["weakref.ref[torch.Tensor]", int,
+                                     Optional["weakref.ref[_Handle]"]]] = {}
         super().__init__(self._pack, self._unpack)
 
     def _eligible(self, t: torch.Tensor) -> bool:
@@ -97,17 +104,33 @@ class offload(torch.autograd.graph.saved_tensors_hooks):
             return False  # expanded/overlapping views: their layout could not be restored
         return t.device.type in ("cpu", "cuda")
 
+    def _saved_before(self, t: torch.Tensor):
+        """(True, handle or None) if this very live tensor, unmodified, was saved before."""
+        hit = self._by_id.get(id(t))
+        if hit is None:
+            return False, None
+        t_ref, version, h_ref = hit
+        if t_ref() is not t or version != t._version:
+            return False, None
+        return True, (h_ref() if h_ref is not None else None)
+
     def _pack(self, t: torch.Tensor):
         total = t.numel() * t.element_size()
+        seen, h = self._saved_before(t)
         if not self._eligible(t):
-            self.stats.kept_tensors += 1
-            if not isinstance(t, nn.Parameter):
+            if not seen and not isinstance(t, nn.Parameter):
+                self.stats.kept_tensors += 1
                 self.stats.kept_bytes += total
+                self._by_id[id(t)] = (weakref.ref(t), t._version, None)
             return t
+        if h is not None:  # one copy serves every op that saved this tensor
+            self.stats.shared_tensors += 1
+            return h
         # Restore the exact strides too: kernels (BLAS) may round differently on other layouts.
         stride = None if t.is_contiguous() else t.stride()
         h = _Handle(self.engine, self.engine.offload(t.detach(), self.ratio), len(self._packed), stride)
         self._packed.append(weakref.ref(h))
+        self._by_id[id(t)] = (weakref.ref(t), t._version, weakref.ref(h))
         off = int(round(self.ratio * t.shape[0])) * (t.numel() // max(1, t.shape[0])) * t.element_size()
         self.stats.offloaded_tensors += 1
         self.stats.offloaded_bytes += off

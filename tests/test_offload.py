@@ -36,6 +36,7 @@ def test_gradients_bit_identical(use_checkpoint):
     for ratio in (0.3, 0.5, 1.0):
         g, stats = _grads(ratio, use_checkpoint)
         assert stats.offloaded_tensors > 0, "nothing was offloaded"
+        assert stats.shared_tensors > 0, "the q/k/v projections' common input was copied per op"
         for a, b in zip(g, ref):
             assert torch.equal(a, b)
 
@@ -84,6 +85,19 @@ def test_step_releases_restored_activations_without_gc():
         assert eng.pending == 0 and eng.pool_in_use_bytes == 0
     finally:
         gc.enable()
+
+
+def test_shared_saves_are_one_copy_but_never_alias_an_edited_tensor():
+    ctx = bytescale.offload(0.5, seq_len=T, min_bytes=0, engine=_C.offload.Engine(0))
+    t = torch.randn(T, 8)
+    first = ctx._pack(t)
+    assert ctx._pack(t) is first and ctx.stats.shared_tensors == 1  # same tensor: one copy
+    assert ctx._pack(t.clone()) is not first  # equal values, another tensor
+    want = t.clone()
+    t.add_(1)  # edited in place: a new save must not reuse the old copy
+    second = ctx._pack(t)
+    assert second is not first
+    assert torch.equal(ctx._unpack(first), want) and torch.equal(ctx._unpack(second), want + 1)
 
 
 def test_engine_roundtrip_and_errors():
