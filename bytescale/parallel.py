@@ -22,7 +22,7 @@ Usage::
     for step in loader:                       # bytescale.data.HDPLoader
         mbs = step.micro_batches
         for i, mb in enumerate(mbs):
-            with model.micro_batch(mb.layout, last=(i == len(mbs) - 1)):
+            with model.micro_batch(mb, last=(i == len(mbs) - 1)):   # layout + plan's offload ratio
                 logits = model(mb.input_ids, mb.position_ids)
                 token_level_loss(logits, mb.labels, step.global_loss_tokens).backward()
         model.finish_step()
@@ -138,19 +138,42 @@ class HybridDataParallel(nn.Module):
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
-    def micro_batch(self, layout=None, last: bool = False) -> Iterator[None]:
+    def micro_batch(self, layout=None, last: bool = False, offload_ratio: Optional[float] = None,
+                    offload_min_bytes: int = 1 << 16) -> Iterator[None]:
         """Run one micro-batch (forward AND backward inside the block) under ``layout``.
 
-        ``last=True`` on the rank's final micro-batch of the step: its backward starts the
-        gradient all-reduce, bucket by bucket.
+        ``layout`` is the micro-batch's attention layout, or the loader's
+        :class:`~bytescale.data.loader.MicroBatch` itself, which also supplies the offload ratio
+        the plan chose for it (``bytescale.plan(..., offload=True)``). ``offload_ratio`` (0-1)
+        overrides that ratio; above 0, that share of every large saved activation of the
+        micro-batch's tokens moves to host memory during forward and returns for backward
+        (:class:`bytescale.offload`; gradients unchanged). ``last=True`` on the rank's final
+        micro-batch of the step: its backward starts the gradient all-reduce, bucket by bucket.
         """
+        seq_len = None
+        spec = getattr(layout, "spec", None)
+        if spec is not None and hasattr(layout, "layout"):  # a loader MicroBatch
+            if offload_ratio is None:
+                offload_ratio = float(getattr(spec, "offload_ratio", 0.0))
+            seq_len = int(layout.num_tokens)
+            layout = layout.layout
+        elif layout is not None and hasattr(layout, "num_tokens"):
+            seq_len = int(layout.num_tokens)
+        ratio = float(offload_ratio or 0.0)
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"HybridDataParallel.micro_batch: offload_ratio must be in [0, 1], got {ratio}")
         if not self._in_step:
             self._start_step()
         self._sync = last
         if self.fsdp:
             self.module.set_requires_gradient_sync(last)
         try:
-            with micro_batch_context(layout):
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(micro_batch_context(layout))
+                if ratio > 0.0:
+                    from .offload import offload
+
+                    stack.enter_context(offload(ratio, seq_len=seq_len, min_bytes=offload_min_bytes))
                 yield
         finally:
             self._sync = False

@@ -11,6 +11,8 @@ once per step (token-level loss), so training equals single-device training on t
 
 Printed per step (rank 0): loss, tokens/s, micro-batches per rank, ranks per sharded sequence,
 predicted and measured imbalance (max/mean of the ranks' compute time), and the plan summary.
+``--offload`` lets the planner trade ranks for activation offloading (each long sequence over fewer
+ranks, a share of its activations moved to host memory during forward) and logs the ratios.
 ``--baseline`` then trains the same data from the same initial weights with a static DP x CP
 layout (CP degree sized for the longest sequence, every sequence sharded over its CP group) and
 prints both side by side.
@@ -47,6 +49,9 @@ def parse_args():
     p.add_argument("--strategy", default="balanced", choices=["balanced", "naive", "pow2"])
     p.add_argument("--baseline", action="store_true", help="also run the static DP x CP baseline")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--offload", action="store_true",
+                   help="let the planner give long sequences fewer ranks and an activation offload "
+                        "ratio (paper Eq. 3), applied per micro-batch by HybridDataParallel")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -81,7 +86,8 @@ def train(args, name, plan_fn, device):
         mbs = step.micro_batches
         local_loss = torch.zeros((), dtype=torch.float64)
         for i, mb in enumerate(mbs):
-            with model.micro_batch(mb.layout, last=(i == len(mbs) - 1)):
+            # the MicroBatch gives the wrapper its layout and the plan's offload ratio
+            with model.micro_batch(mb, last=(i == len(mbs) - 1)):
                 logits = model(mb.input_ids.to(device), mb.position_ids.to(device))
                 loss = token_level_loss(logits, mb.labels.to(device), step.global_loss_tokens)
                 loss.backward()
@@ -92,12 +98,14 @@ def train(args, name, plan_fn, device):
         opt.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - t0
         # gather per-rank facts for the log
-        facts = torch.tensor([compute, float(len(mbs)), local_loss.item()], dtype=torch.float64)
+        max_ratio = max((mb.spec.offload_ratio for mb in mbs), default=0.0)
+        facts = torch.tensor([compute, float(len(mbs)), local_loss.item(), max_ratio], dtype=torch.float64)
         table = [torch.zeros_like(facts) for _ in range(world)]
         dist.all_gather(table, facts)
         times = [float(t[0]) for t in table]
         mb_counts = [int(t[1]) for t in table]
         loss_val = sum(float(t[2]) for t in table)
+        ratios = [round(float(t[3]), 2) for t in table]
         meas_imb = max(times) / max(mean(times), 1e-12)
         plan = step.plan
         if isinstance(plan, bytescale.planner.Plan):
@@ -112,7 +120,8 @@ def train(args, name, plan_fn, device):
         history.append((loss_val, toks, meas_imb, elapsed))
         log(f"[{name}] step {step.index:3d} | loss {loss_val:.4f} | {toks:8.0f} tok/s | "
             f"mbs/rank {mb_counts} | ranks per sharded seq {sorted(rings.values(), reverse=True)[:6]} | "
-            f"imbalance pred {pred} meas {meas_imb:.2f}")
+            f"imbalance pred {pred} meas {meas_imb:.2f}" +
+            (f" | offload ratio/rank {ratios}" if args.offload and name == "HDP" else ""))
         if step.index in (0, args.steps - 1):
             log(f"           plan: {summary}")
     loader.close()
@@ -130,7 +139,8 @@ def main():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("WORLD_SIZE", 1)))))
         dist.init_process_group("bytescale")
     world = dist.get_world_size()
-    hdp = train(args, "HDP", hdp_plan_fn(world, args.capacity, strategy=args.strategy), device)
+    hdp = train(args, "HDP", hdp_plan_fn(world, args.capacity, strategy=args.strategy,
+                                         offload=args.offload), device)
     if args.baseline:
         # static: ONE CP degree for the whole run, sized for the longest sequence in the data
         longest = int(sample_lengths("byted", args.num_sequences, seed=args.seed, scale=args.scale,

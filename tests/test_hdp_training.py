@@ -5,6 +5,8 @@ single-process training on the same global batches (float64: tight; float32: sta
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -56,28 +58,36 @@ def _reference(dtype, world):
     return [p.detach() for p in model.parameters()], batches
 
 
-def _hdp(rank, world, dtype_name, offload_ratio=0.0):
+def _hdp(rank, world, dtype_name, offload_ratio=0.0, plan_offload=False):
     from bytescale import HybridDataParallel
+    from bytescale.offload import default_engine
     from bytescale.planner import hdp_plan_fn
     from bytescale.ring import RingLayout
 
     dtype = getattr(torch, dtype_name)
-    loader = HDPLoader(_dataset(), hdp_plan_fn(world, CAPACITY), TOKENS_PER_BATCH, seed=5,
-                       layout_factory=RingLayout.from_spec, max_steps=STEPS)
+    loader = HDPLoader(_dataset(), hdp_plan_fn(world, CAPACITY, offload=plan_offload),
+                       TOKENS_PER_BATCH, seed=5, layout_factory=RingLayout.from_spec, max_steps=STEPS)
     model = HybridDataParallel(_model(dtype), bucket_cap_mb=0.01)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     stats = []
     for step in loader:
         mbs = step.micro_batches
         for i, mb in enumerate(mbs):
-            with model.micro_batch(mb.layout, last=(i == len(mbs) - 1)), \
-                    bytescale.offload(offload_ratio, seq_len=mb.num_tokens, min_bytes=256):
+            last = i == len(mbs) - 1
+            if plan_offload:  # the plan's own ratio, applied by the wrapper
+                ctx = model.micro_batch(mb, last=last, offload_min_bytes=256)
+            else:
+                ctx = contextlib.ExitStack()
+                ctx.enter_context(model.micro_batch(mb.layout, last=last))
+                ctx.enter_context(bytescale.offload(offload_ratio, seq_len=mb.num_tokens, min_bytes=256))
+            with ctx:
                 logits = model(mb.input_ids, mb.position_ids)
                 token_level_loss(logits, mb.labels, step.global_loss_tokens).backward()
         model.finish_step()
         opt.step()
         opt.zero_grad()
-        stats.append((step.seq_ids, len(mbs), max((len(m.spec.group) for m in mbs), default=0)))
+        stats.append((step.seq_ids, len(mbs), max((len(m.spec.group) for m in mbs), default=0),
+                      [m.spec.offload_ratio for m in mbs], default_engine().offloaded_bytes))
     loader.close()
     return [p.detach() for p in model.module.parameters()], stats
 
@@ -182,6 +192,19 @@ def test_hdp_with_fsdp2_matches_single_process(world):
             torch.testing.assert_close(p, r, rtol=1e-9, atol=1e-11)
     # real (non-padding) micro-batch counts differed across ranks at least once
     assert len({tuple(c) for _, c in per_rank}) > 1
+
+
+def test_plan_driven_offloading_matches_single_process():
+    """plan(..., offload=True) gives long sequences fewer ranks and an offload ratio; the wrapper
+    applies it from the MicroBatch; training still equals single-process training."""
+    ref, batches = _reference(torch.float64, 3)
+    per_rank = run_distributed(_hdp, 3, "float64", 0.0, True, timeout=300)
+    assert max(r for _, st in per_rank for s in st for r in s[3]) > 0, "the plan offloaded nothing"
+    assert max(st[-1][4] for _, st in per_rank) > 0, "no activation was offloaded"
+    for params, stats in per_rank:
+        assert [s[0] for s in stats] == batches
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p, r, rtol=1e-9, atol=1e-11)
 
 
 def test_hdp_with_activation_offloading_is_bit_identical():
