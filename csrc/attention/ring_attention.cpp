@@ -10,7 +10,8 @@
 // merges the partial result into fp32 accumulators through the log-sum-exp. Backward: dQ
 // accumulates locally; each K/V block travels the ring again together with its dK/dV accumulator
 // (fp32 by default, bf16 on request), every member adding its contribution; after N hops the
-// accumulator is back at its owner.
+// accumulator is back at its owner. Both the K/V blocks and the accumulators are in flight while
+// the current block is computed.
 //
 // Autograd and fake (meta) kernels are registered from Python (bytescale/ring.py) with
 // torch.library, so torch.compile can trace models using these ops.
@@ -167,10 +168,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ringBwd(
   const auto acc = accType(q.scalar_type());
   const auto comm_dt = bf16_grad_comm && acc == at::kFloat ? at::kBFloat16 : acc;
   at::Tensor cur = at::cat({k, v}, 0).contiguous();
-  at::Tensor dkv = at::zeros({cur.size(0), cur.size(1), cur.size(2)}, q.options().dtype(acc));
   int64_t src = ring.me;
   const int next = static_cast<int>(ring.ranks[mod(ring.me + 1, ring.n)]);
   const int prev = static_cast<int>(ring.ranks[mod(ring.me - 1, ring.n)]);
+  // The dK/dV accumulator of the block in hand travels one hop per step. It is in flight while
+  // this rank computes the block's contribution into a fresh buffer, and is added on arrival, so
+  // the accumulator traffic overlaps compute like the K/V traffic does.
+  std::unique_ptr<comm::PendingExchange> pending_acc;
+  at::Tensor acc_send, acc_recv;
   for (int64_t s = 0; s < ring.n; ++s) {
     const int64_t nsrc = mod(ring.me - s - 1, ring.n);
     const int64_t nt = shardTokens(lens, ring.n, nsrc);
@@ -181,20 +186,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ringBwd(
       pending_kv = ring.tr->ringStep(cur, next, kv_buf, prev, ring.what);
     }
     const int64_t t = cur.size(0) / 2;
-    at::Tensor dk = dkv.narrow(0, 0, t), dv = dkv.narrow(0, t, t);
+    at::Tensor part = at::zeros({2 * t, k.size(1), k.size(2)}, q.options().dtype(acc));
+    at::Tensor dk = part.narrow(0, 0, t), dv = part.narrow(0, t, t);
     backwardStep(dout, q, cur.narrow(0, 0, t), cur.narrow(0, t, t), out, lse, delta,
                  BlockPair{lens, ring.n, ring.me, src, causal}, sc, dq, dk, dv);
-    // The accumulator follows its block to the next rank; after N hops it is home.
-    at::Tensor send = dkv.to(comm_dt).contiguous();
-    at::Tensor recv = at::empty({2 * nt, k.size(1), k.size(2)}, q.options().dtype(comm_dt));
-    ring.tr->ringStep(send, next, recv, prev, ring.what + " (dK/dV)")->wait();
-    dkv = recv.to(acc);
+    if (pending_acc) {  // block src's accumulator, sent by the previous rank one step ago
+      pending_acc->wait();
+      part.add_(acc_recv);
+    }
+    // Pass it on; the next block's accumulator arrives from prev. After N hops it is home.
+    acc_send = comm_dt == acc ? part : part.to(comm_dt);
+    acc_recv = at::empty({2 * nt, k.size(1), k.size(2)}, q.options().dtype(comm_dt));
+    pending_acc = ring.tr->ringStep(acc_send, next, acc_recv, prev, ring.what + " (dK/dV)");
     if (pending_kv) {
       pending_kv->wait();
       cur = kv_buf;
       src = nsrc;
     }
   }
+  pending_acc->wait();
+  at::Tensor dkv = acc_recv.to(acc);
   const int64_t own = k.size(0);
   TORCH_CHECK(dkv.size(0) == 2 * own, "bytescale ", ring.what, ": internal error, dK/dV of ",
               dkv.size(0) / 2, " tokens returned for ", own);
