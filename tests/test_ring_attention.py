@@ -170,6 +170,34 @@ def test_shard_unshard_roundtrip_and_layout_errors():
         varlen_attention(torch.randn(5, 2, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8), [4])
 
 
+@pytest.mark.parametrize("fn", ["varlen", "virtual"])
+def test_bad_inputs_name_what_is_wrong(fn):
+    from bytescale.ring import virtual_ring_attention
+
+    def call(q, k, v):
+        if fn == "varlen":
+            return varlen_attention(q, k, v, [q.shape[0]])
+        return virtual_ring_attention(q, k, v, [q.shape[0]], 2)
+
+    q, k, v = torch.randn(6, 4, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    bad = [
+        ((torch.randn(6, 32), k, v), r"\(tokens, heads, head_dim\), got q \[6, 32\]"),
+        ((q, k, torch.randn(6, 1, 8)), "differ in shape"),
+        ((q, torch.randn(6, 2, 4), torch.randn(6, 2, 4)), r"head_dim of q \(8\)"),
+        ((q, k.double(), v), "dtypes differ"),
+        ((q.long(), k.long(), v.long()), "floating-point"),
+        ((q, torch.randn(5, 2, 8), torch.randn(5, 2, 8)), "q has 6 tokens but k has 5"),
+    ]
+    for args, msg in bad:
+        with pytest.raises(RuntimeError, match=msg):
+            call(*args)
+    # the backward checks the output gradient against q
+    qg = q.clone().requires_grad_()
+    out = call(qg, k, v)
+    with pytest.raises(RuntimeError, match="size|shape|output gradient"):
+        out.backward(torch.randn(5, 4, 8))
+
+
 def test_opcheck_and_compile():
     q = torch.randn(12, 4, 8, requires_grad=True)
     k = torch.randn(12, 2, 8, requires_grad=True)

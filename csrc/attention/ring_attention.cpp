@@ -39,6 +39,33 @@ std::vector<int64_t> checkedLens(c10::IntArrayRef doc_lens, const char* what) {
   return v;
 }
 
+// Every op's inputs, checked once at entry on any device (the kernels assume them).
+void checkQKV(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* what,
+              const at::Tensor& dout = at::Tensor()) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "bytescale ", what,
+              ": q, k, v must be (tokens, heads, head_dim), got q ", q.sizes(), ", k ", k.sizes(),
+              ", v ", v.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes(), "bytescale ", what, ": k ", k.sizes(), " and v ", v.sizes(),
+              " differ in shape");
+  TORCH_CHECK(q.size(0) == k.size(0), "bytescale ", what, ": q has ", q.size(0), " tokens but k has ",
+              k.size(0));
+  TORCH_CHECK(q.size(2) == k.size(2), "bytescale ", what, ": head_dim of q (", q.size(2),
+              ") != head_dim of k and v (", k.size(2), ")");
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "bytescale ", what, ": ", q.size(1),
+              " query heads is not a multiple of ", k.size(1), " kv heads");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "bytescale ", what, ": q, k, v dtypes differ (", q.scalar_type(), ", ", k.scalar_type(),
+              ", ", v.scalar_type(), ")");
+  TORCH_CHECK(at::isFloatingType(q.scalar_type()), "bytescale ", what,
+              ": floating-point q, k, v needed, got ", q.scalar_type());
+  TORCH_CHECK(q.device() == k.device() && q.device() == v.device(), "bytescale ", what,
+              ": q, k, v on different devices (", q.device(), ", ", k.device(), ", ", v.device(), ")");
+  if (dout.defined())
+    TORCH_CHECK(dout.sizes() == q.sizes() && dout.device() == q.device(), "bytescale ", what,
+                ": the output gradient ", dout.sizes(), " on ", dout.device(), " does not match q ",
+                q.sizes(), " on ", q.device());
+}
+
 double resolveScale(double scale, const at::Tensor& q) {
   return scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
 }
@@ -83,6 +110,7 @@ int64_t mod(int64_t a, int64_t n) { return ((a % n) + n) % n; }
 std::tuple<at::Tensor, at::Tensor> varlenFwd(const at::Tensor& q, const at::Tensor& k,
                                              const at::Tensor& v, c10::IntArrayRef doc_lens,
                                              bool causal, double scale) {
+  checkQKV(q, k, v, "varlen attention");
   auto lens = checkedLens(doc_lens, "varlen attention");
   int64_t total = 0;
   for (auto n : lens) total += n;
@@ -105,6 +133,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlenBwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::IntArrayRef doc_lens, bool causal,
     double scale) {
+  checkQKV(q, k, v, "varlen attention backward", dout);
   auto lens = checkedLens(doc_lens, "varlen attention backward");
   at::Tensor dq = zerosAcc(q), dk = zerosAcc(k), dv = zerosAcc(v), delta;
   backwardStep(dout, q, k, v, out, lse, delta, BlockPair{lens, 0, 0, 0, causal},
@@ -115,6 +144,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlenBwd(
 std::tuple<at::Tensor, at::Tensor> ringFwd(const at::Tensor& q, const at::Tensor& k,
                                            const at::Tensor& v, c10::IntArrayRef doc_lens,
                                            c10::IntArrayRef ranks, bool causal, double scale) {
+  checkQKV(q, k, v, "ring attention");
   auto lens = checkedLens(doc_lens, "ring attention");
   Ring ring = makeRing(ranks, q, "ring attention");
   const double sc = resolveScale(scale, q);
@@ -155,6 +185,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ringBwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::IntArrayRef doc_lens,
     c10::IntArrayRef ranks, bool causal, double scale, bool bf16_grad_comm) {
+  checkQKV(q, k, v, "ring attention backward", dout);
   auto lens = checkedLens(doc_lens, "ring attention backward");
   Ring ring = makeRing(ranks, q, "ring attention backward");
   const double sc = resolveScale(scale, q);
@@ -236,6 +267,7 @@ std::tuple<at::Tensor, at::Tensor> virtualRingFwd(const at::Tensor& q, const at:
                                                   const at::Tensor& v, c10::IntArrayRef doc_lens,
                                                   int64_t n, bool causal, double scale) {
   const char* what = "virtual ring attention";
+  checkQKV(q, k, v, what);
   auto lens = checkedLens(doc_lens, what);
   auto offs = shardOffsets(lens, n, q, what);
   const double sc = resolveScale(scale, q);
@@ -263,6 +295,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> virtualRingBwd(
     const at::Tensor& out, const at::Tensor& lse, c10::IntArrayRef doc_lens, int64_t n, bool causal,
     double scale) {
   const char* what = "virtual ring attention backward";
+  checkQKV(q, k, v, what, dout);
   auto lens = checkedLens(doc_lens, what);
   auto offs = shardOffsets(lens, n, q, what);
   const double sc = resolveScale(scale, q);
