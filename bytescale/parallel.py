@@ -38,7 +38,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .data.loader import MicroBatch
 from .microbatch import micro_batch_context
+from .offload import offload
 
 __all__ = ["HybridDataParallel"]
 
@@ -150,15 +152,11 @@ class HybridDataParallel(nn.Module):
         (:class:`bytescale.offload`; gradients unchanged). ``last=True`` on the rank's final
         micro-batch of the step: its backward starts the gradient all-reduce, bucket by bucket.
         """
-        seq_len = None
-        spec = getattr(layout, "spec", None)
-        if spec is not None and hasattr(layout, "layout"):  # a loader MicroBatch
+        seq_len = getattr(layout, "num_tokens", None)  # the token dimension of saved activations
+        if isinstance(layout, MicroBatch):
             if offload_ratio is None:
-                offload_ratio = float(getattr(spec, "offload_ratio", 0.0))
-            seq_len = int(layout.num_tokens)
+                offload_ratio = layout.spec.offload_ratio
             layout = layout.layout
-        elif layout is not None and hasattr(layout, "num_tokens"):
-            seq_len = int(layout.num_tokens)
         ratio = float(offload_ratio or 0.0)
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"HybridDataParallel.micro_batch: offload_ratio must be in [0, 1], got {ratio}")
@@ -171,8 +169,6 @@ class HybridDataParallel(nn.Module):
             with contextlib.ExitStack() as stack:
                 stack.enter_context(micro_batch_context(layout))
                 if ratio > 0.0:
-                    from .offload import offload
-
                     stack.enter_context(offload(ratio, seq_len=seq_len, min_bytes=offload_min_bytes))
                 yield
         finally:

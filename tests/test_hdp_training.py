@@ -5,12 +5,8 @@ single-process training on the same global batches (float64: tight; float32: sta
 """
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-
-import bytescale
 
 from bytescale.data import HDPLoader, SyntheticTokens
 from bytescale.loss import IGNORE_INDEX, token_level_loss
@@ -73,14 +69,10 @@ def _hdp(rank, world, dtype_name, offload_ratio=0.0, plan_offload=False):
     for step in loader:
         mbs = step.micro_batches
         for i, mb in enumerate(mbs):
-            last = i == len(mbs) - 1
-            if plan_offload:  # the plan's own ratio, applied by the wrapper
-                ctx = model.micro_batch(mb, last=last, offload_min_bytes=256)
-            else:
-                ctx = contextlib.ExitStack()
-                ctx.enter_context(model.micro_batch(mb.layout, last=last))
-                ctx.enter_context(bytescale.offload(offload_ratio, seq_len=mb.num_tokens, min_bytes=256))
-            with ctx:
+            # plan_offload: the plan's own ratio, from the MicroBatch; else the ratio given here
+            ratio = None if plan_offload else offload_ratio
+            with model.micro_batch(mb, last=i == len(mbs) - 1, offload_ratio=ratio,
+                                   offload_min_bytes=256):
                 logits = model(mb.input_ids, mb.position_ids)
                 token_level_loss(logits, mb.labels, step.global_loss_tokens).backward()
         model.finish_step()
