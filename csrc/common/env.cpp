@@ -1,0 +1,30 @@
+#include "common/env.h"
+
+#include <cstdlib>
+#include <stdexcept>
+
+namespace bytescale {
+namespace env {
+
+Knobs readKnobs() {
+  Knobs k;
+  if (const char* v = std::getenv("BYTESCALE_CHECK_COLLECTIVES"))
+    k.check_collectives = std::string(v) != "0";
+  if (const char* v = std::getenv("BYTESCALE_ATTENTION_KERNEL")) {
+    std::string s(v);
+    if (s.empty()) s = "auto";
+    if (s != "auto" && s != "flash" && s != "cudnn" && s != "tiled")
+      throw std::invalid_argument("BYTESCALE_ATTENTION_KERNEL='" + s +
+                                  "': expected auto, flash, cudnn or tiled");
+    k.attention_kernel = s;
+  }
+  return k;
+}
+
+const Knobs& knobs() {
+  static const Knobs k = readKnobs();
+  return k;
+}
+
+}  // namespace env
+}  // namespace bytescale

@@ -1,0 +1,27 @@
+// Every BYTESCALE_* environment knob the C++ code reads, read once per process (first use) and
+// documented here. Pure C++ (no torch). The Python list of knobs is bytescale/config.py.
+//
+//   BYTESCALE_CHECK_COLLECTIVES  "0" turns off the cross-rank fingerprint check before CPU
+//                                collectives (default on). Same value on every rank.
+//   BYTESCALE_ATTENTION_KERNEL   "auto" (default), "flash", "cudnn" or "tiled": the per-ring-step
+//                                attention kernel on CUDA (csrc/attention/kernel.h chooses).
+#pragma once
+
+#include <string>
+
+namespace bytescale {
+namespace env {
+
+struct Knobs {
+  bool check_collectives = true;
+  std::string attention_kernel = "auto";
+};
+
+// The knobs as read from the environment at first call (thread-safe, never re-read).
+const Knobs& knobs();
+
+// Parses the environment now (tests); `knobs()` keeps its first value.
+Knobs readKnobs();
+
+}  // namespace env
+}  // namespace bytescale
