@@ -19,8 +19,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import bytescale
-from bytescale.microbatch import LocalLayout, micro_batch_context
-from bytescale.models.llama import Block, LlamaConfig, _default_attention
+from bytescale.attention import Layout
+from bytescale.models.llama import Block, LlamaConfig
 
 
 def main(argv=None):
@@ -37,17 +37,18 @@ def main(argv=None):
     cfg = LlamaConfig(vocab_size=256, dim=a.dim, n_layers=a.layers, n_heads=max(1, a.dim // 64),
                       n_kv_heads=max(1, a.dim // 256), ffn_dim=int(a.dim * 8 / 3) // 8 * 8)
     torch.manual_seed(0)
-    blocks = torch.nn.ModuleList(Block(cfg, _default_attention) for _ in range(a.layers)).to(dev, dtype)
+    blocks = torch.nn.ModuleList(Block(cfg) for _ in range(a.layers)).to(dev, dtype)
     x0 = torch.randn(a.seq, a.dim, device=dev, dtype=dtype)
     pos = torch.arange(a.seq, device=dev)
 
     def step(ratio, ckpt):
         x = x0.clone().requires_grad_()
         ctx = bytescale.offload(ratio, seq_len=a.seq, min_bytes=1 << 16)
-        with micro_batch_context(LocalLayout([a.seq])), ctx:
+        lay = Layout.local([a.seq])
+        with ctx:
             h = x
             for b in blocks:
-                h = checkpoint(b, h, pos, use_reentrant=False) if ckpt else b(h, pos)
+                h = checkpoint(b, h, pos, lay, use_reentrant=False) if ckpt else b(h, pos, lay)
             h.float().square().mean().backward()
         return ctx.stats.kept_bytes, ctx.stats.offloaded_bytes
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import bytescale  # noqa: F401
-from bytescale.ring import shard_order, varlen_attention, virtual_ring_attention
+from bytescale.attention import shard_order, varlen_attention, virtual_ring_attention
 
 
 def timer(cuda: bool):

@@ -2,11 +2,12 @@
 
 ``import bytescale`` registers the ``"bytescale"`` torch.distributed backend.
 
-Subsystems: communication (:mod:`bytescale.comm`: backend, dynamic groups), attention
-(:mod:`bytescale.ring`: ring and varlen attention ops; :mod:`bytescale.microbatch`: the attention
-entry point models call), planning (:mod:`bytescale.planner`), runtime and data
-(:mod:`bytescale.parallel`, :mod:`bytescale.loss`, :mod:`bytescale.data`, :mod:`bytescale.models`,
-:mod:`bytescale.hf`).
+Subsystems (Python mirrors csrc/): :mod:`bytescale.comm` (backend, dynamic groups),
+:mod:`bytescale.attention` (zig-zag layout, ring and varlen attention, the entry point models
+call), :mod:`bytescale.planner` (the C++ HDP planner, micro-batch plans, the device profiler),
+:mod:`bytescale.runtime` (HybridDataParallel, token-level loss, offloading),
+:mod:`bytescale.data` (datasets, the loader, the static baseline), :mod:`bytescale.models`
+(a Llama, the HF transformers integration); options in :mod:`bytescale.config`.
 """
 from __future__ import annotations
 
@@ -14,33 +15,19 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 import torch.distributed  # noqa: F401  (c10d types must be registered before _C)
 
 from . import _C  # noqa: F401
-from . import microbatch, planner, ring
-from .offload import offload
-from .profile import profile
+from . import attention, comm, config, planner, runtime  # noqa: F401
+from .attention import Layout, ring_attention, varlen_attention
 from .comm import BACKEND_NAME, DynamicGroup, clear_dynamic_groups, dynamic_group, world_backend
-from .loss import token_level_loss
-from .microbatch import attention
-from .parallel import HybridDataParallel
-from .planner import CostModel, Plan, plan
-from .ring import RingLayout, ring_attention, varlen_attention
+from .config import LoaderConfig, PlannerConfig, RuntimeConfig
+from .planner import CostModel, MicroBatchPlan, Plan, plan, profile
+from .runtime import HybridDataParallel, offload, token_level_loss
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "BACKEND_NAME",
-    "DynamicGroup",
-    "dynamic_group",
-    "clear_dynamic_groups",
-    "world_backend",
-    "attention",
-    "token_level_loss",
-    "HybridDataParallel",
-    "CostModel",
-    "Plan",
-    "plan",
-    "RingLayout",
-    "ring_attention",
-    "varlen_attention",
-    "offload",
-    "profile",
+    "BACKEND_NAME", "DynamicGroup", "dynamic_group", "clear_dynamic_groups", "world_backend",
+    "Layout", "ring_attention", "varlen_attention",
+    "PlannerConfig", "LoaderConfig", "RuntimeConfig",
+    "CostModel", "MicroBatchPlan", "Plan", "plan", "profile",
+    "HybridDataParallel", "token_level_loss", "offload",
 ]

@@ -27,13 +27,9 @@ from statistics import mean
 import torch
 import torch.distributed as dist
 
-import bytescale
-from bytescale import HybridDataParallel, token_level_loss
-from bytescale.data import HDPLoader, SyntheticTokens, sample_lengths
-from bytescale.data.baselines import static_cp_degree, static_cp_plan_fn
+from bytescale import HybridDataParallel, LoaderConfig, PlannerConfig, token_level_loss
+from bytescale.data import HDPLoader, SyntheticTokens, sample_lengths, static_cp_degree
 from bytescale.models import Llama, LlamaConfig
-from bytescale.planner import hdp_plan_fn
-from bytescale.ring import RingLayout
 
 
 def parse_args():
@@ -68,13 +64,12 @@ def build_model(args, device):
     return Llama(cfg).to(device)
 
 
-def train(args, name, plan_fn, device):
+def train(args, name, planner: PlannerConfig, device):
     world = dist.get_world_size()
     lengths = sample_lengths("byted", args.num_sequences, seed=args.seed, scale=args.scale,
                              max_len=args.capacity * world)
     data = SyntheticTokens(lengths.tolist(), vocab_size=256, seed=args.seed)
-    loader = HDPLoader(data, plan_fn, args.tokens_per_batch, seed=args.seed,
-                       layout_factory=RingLayout.from_spec, max_steps=args.steps)
+    loader = HDPLoader(data, planner, LoaderConfig(args.tokens_per_batch, seed=args.seed, max_steps=args.steps))
     model = HybridDataParallel(build_model(args, device))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     log(f"\n=== {name}: {world} ranks, capacity {args.capacity} tokens/rank, global batch "
@@ -86,9 +81,9 @@ def train(args, name, plan_fn, device):
         mbs = step.micro_batches
         local_loss = torch.zeros((), dtype=torch.float64)
         for i, mb in enumerate(mbs):
-            # the MicroBatch gives the wrapper its layout and the plan's offload ratio
+            # the wrapper applies the plan's offload ratio; the model gets the attention layout
             with model.micro_batch(mb, last=(i == len(mbs) - 1)):
-                logits = model(mb.input_ids.to(device), mb.position_ids.to(device))
+                logits = model(mb.input_ids.to(device), mb.position_ids.to(device), layout=mb.layout)
                 loss = token_level_loss(logits, mb.labels.to(device), step.global_loss_tokens)
                 loss.backward()
             local_loss += loss.detach().double().cpu()
@@ -98,7 +93,7 @@ def train(args, name, plan_fn, device):
         opt.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - t0
         # gather per-rank facts for the log
-        max_ratio = max((mb.spec.offload_ratio for mb in mbs), default=0.0)
+        max_ratio = max((mb.offload_ratio for mb in mbs), default=0.0)
         facts = torch.tensor([compute, float(len(mbs)), local_loss.item(), max_ratio], dtype=torch.float64)
         table = [torch.zeros_like(facts) for _ in range(world)]
         dist.all_gather(table, facts)
@@ -108,14 +103,9 @@ def train(args, name, plan_fn, device):
         ratios = [round(float(t[3]), 2) for t in table]
         meas_imb = max(times) / max(mean(times), 1e-12)
         plan = step.plan
-        if isinstance(plan, bytescale.planner.Plan):
-            rings = plan.ring_sizes()
-            pred = f"{plan.imbalance:.2f}"
-            summary = plan.summary()
-        else:  # the static baseline
-            rings = {i: plan["cp"] for i in range(len(step.seq_ids))} if plan["cp"] > 1 else {}
-            pred = "n/a"
-            summary = f"static DP x CP: cp={plan['cp']} replicas={plan['replicas']} micro-batches/replica={plan['micro_batches']}"
+        rings = plan.ring_sizes()
+        pred = f"{plan.imbalance:.2f}"
+        summary = plan.summary()
         toks = step.global_tokens / elapsed
         history.append((loss_val, toks, meas_imb, elapsed))
         log(f"[{name}] step {step.index:3d} | loss {loss_val:.4f} | {toks:8.0f} tok/s | "
@@ -139,14 +129,14 @@ def main():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("WORLD_SIZE", 1)))))
         dist.init_process_group("bytescale")
     world = dist.get_world_size()
-    hdp = train(args, "HDP", hdp_plan_fn(world, args.capacity, strategy=args.strategy,
-                                         offload=args.offload), device)
+    hdp = train(args, "HDP", PlannerConfig(args.capacity, strategy=args.strategy, offload=args.offload), device)
     if args.baseline:
         # static: ONE CP degree for the whole run, sized for the longest sequence in the data
         longest = int(sample_lengths("byted", args.num_sequences, seed=args.seed, scale=args.scale,
                                      max_len=args.capacity * world).max())
         cp = static_cp_degree(longest, args.capacity, world)
-        base = train(args, f"static DPxCP (cp={cp})", static_cp_plan_fn(world, args.capacity, cp=cp), device)
+        base = train(args, f"static DPxCP (cp={cp})", PlannerConfig(args.capacity, strategy="static", static_cp=cp),
+                     device)
         skip = min(2, args.steps - 1)  # warm-up steps
         h_tok = mean(h[1] for h in hdp[skip:])
         b_tok = mean(h[1] for h in base[skip:])

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import bytescale
-from bytescale.ring import ring_attention
+from bytescale.attention import ring_attention
 
 dist.init_process_group("bytescale", store=dist.HashStore(), rank=0, world_size=1,
                         device_id=torch.device("cuda", 0))

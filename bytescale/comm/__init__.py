@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from . import _C
+from .. import _C
 
 __all__ = [
     "BACKEND_NAME",

@@ -1,4 +1,4 @@
-"""Static DP x CP baseline plans, for side-by-side comparisons with HDP.
+"""The static DP x CP baseline, for side-by-side comparisons with HDP.
 
 The baseline is what Megatron-LM / TransformerEngine style static context parallelism does: one
 CP degree for the whole run, sized for the longest sequence (the smallest power of two with
@@ -9,11 +9,13 @@ order of decreasing size.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Sequence, Tuple
+from typing import List, Optional, Sequence
 
-from .loader import MicroBatchSpec, SequenceSpec
+import numpy as np
 
-__all__ = ["static_cp_degree", "static_cp_plan_fn"]
+from ..planner.types import DocRef, MicroBatchPlan
+
+__all__ = ["static_cp_degree", "static_cp_plan", "StaticPlan"]
 
 
 def static_cp_degree(longest: int, capacity: int, world_size: int) -> int:
@@ -28,44 +30,77 @@ def static_cp_degree(longest: int, capacity: int, world_size: int) -> int:
     return cp
 
 
-def static_cp_plan_fn(world_size: int, capacity: int, cp: int | None = None) -> Callable:
-    """A ``plan_fn`` for :class:`~bytescale.data.loader.HDPLoader` implementing the baseline."""
+class StaticPlan:
+    """A step's static DP x CP plan; the same interface as :class:`bytescale.planner.Plan`."""
 
-    def plan_fn(lengths: Sequence[int]) -> Tuple[dict, Callable[[int], List[MicroBatchSpec]]]:
-        deg = cp or static_cp_degree(max(lengths), capacity, world_size)
-        if world_size % deg:
-            raise ValueError(f"static CP baseline: CP degree {deg} does not divide world size {world_size}")
-        bin_cap = deg * capacity
-        bins: List[List[int]] = []
-        loads: List[int] = []
-        for sid in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-            n = lengths[sid]
-            for b, load in enumerate(loads):
-                if load + n <= bin_cap:
-                    bins[b].append(sid)
-                    loads[b] += n
-                    break
+    strategy = "static"
+
+    def __init__(self, lengths: Sequence[int], world_size: int, cp: int,
+                 per_replica: List[List[List[int]]]) -> None:
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.world_size = world_size
+        self.cp = cp
+        self.per_replica = per_replica
+
+    def num_micro_batches(self, rank: Optional[int] = None):
+        counts = np.array([len(self.per_replica[r // self.cp]) for r in range(self.world_size)])
+        return counts if rank is None else int(counts[rank])
+
+    def micro_batches(self, rank: int, sample_ids: Optional[Sequence[int]] = None) -> List[MicroBatchPlan]:
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"StaticPlan.micro_batches: rank {rank} outside [0, {self.world_size})")
+        rep, pos = divmod(rank, self.cp)
+        ring = tuple(range(rep * self.cp, (rep + 1) * self.cp))
+        out = []
+        for i, members in enumerate(self.per_replica[rep]):
+            docs = tuple(DocRef(s, -1 if sample_ids is None else int(sample_ids[s]), int(self.lengths[s]))
+                         for s in members)
+            if self.cp == 1:
+                out.append(MicroBatchPlan(rank, i, local=docs))
             else:
-                bins.append([sid])
-                loads.append(n)
-        replicas = world_size // deg
-        per_replica: List[List[List[int]]] = [[] for _ in range(replicas)]
-        for b, members in enumerate(bins):
-            per_replica[b % replicas].append(members)
+                out.append(MicroBatchPlan(rank, i, sharded=docs, ring=ring, ring_pos=pos, ring_id=i))
+        return out
 
-        def specs_for_rank(rank: int) -> List[MicroBatchSpec]:
-            rep, pos = divmod(rank, deg)
-            group = tuple(range(rep * deg, (rep + 1) * deg))
-            out = []
-            for members in per_replica[rep]:
-                seqs = [SequenceSpec(s, lengths[s], deg, pos) for s in members]
-                if deg == 1:
-                    out.append(MicroBatchSpec(local=seqs, sharded=[]))
-                else:
-                    out.append(MicroBatchSpec(local=[], sharded=seqs, group=group))
-            return out
+    @property
+    def imbalance(self) -> float:
+        """Predicted max / mean rank time: the baseline makes no prediction (NaN)."""
+        return float("nan")
 
-        info = {"cp": deg, "replicas": replicas, "micro_batches": [len(p) for p in per_replica]}
-        return info, specs_for_rank
+    def ring_sizes(self):
+        """Batch position -> ranks it is sharded over (every sequence, when cp > 1)."""
+        return {i: self.cp for i in range(len(self.lengths))} if self.cp > 1 else {}
 
-    return plan_fn
+    def to_bytes(self) -> bytes:
+        return repr((self.lengths.tolist(), self.world_size, self.cp, self.per_replica)).encode()
+
+    def summary(self) -> str:
+        mbs = self.num_micro_batches()
+        return (f"plan[static] ranks={self.world_size} cp={self.cp} replicas={self.world_size // self.cp} "
+                f"micro-batches/rank min={int(mbs.min())} max={int(mbs.max())}")
+
+
+def static_cp_plan(lengths: Sequence[int], world_size: int, capacity: int,
+                   cp: Optional[int] = None) -> StaticPlan:
+    """Plan one global batch the static DP x CP way (see module docstring)."""
+    lengths = [int(n) for n in lengths]
+    deg = cp or static_cp_degree(max(lengths), capacity, world_size)
+    if world_size % deg:
+        raise ValueError(f"static CP baseline: CP degree {deg} does not divide world size {world_size}")
+    bin_cap = deg * capacity
+    bins: List[List[int]] = []
+    loads: List[int] = []
+    for sid in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[sid]
+        for b, load in enumerate(loads):
+            if load + n <= bin_cap:
+                bins[b].append(sid)
+                loads[b] += n
+                break
+        else:
+            bins.append([sid])
+            loads.append(n)
+    replicas = world_size // deg
+    per_replica: List[List[List[int]]] = [[] for _ in range(replicas)]
+    for b, members in enumerate(bins):
+        per_replica[b % replicas].append(members)
+    return StaticPlan(lengths, world_size, deg, per_replica)

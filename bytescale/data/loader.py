@@ -1,18 +1,19 @@
 """The plan-driven HDP loader.
 
-Per step it (1) takes the next global batch of sequence ids from a deterministic, resumable
-sampler, (2) plans it with the C++ planner, and (3) materialises ONLY this rank's micro-batches:
-input ids, labels, position ids and the attention layout.
+Per step it (1) takes the next global batch of sample ids from a deterministic, resumable sampler,
+(2) plans it with the C++ planner (:class:`bytescale.config.PlannerConfig`), and (3) materialises
+ONLY this rank's micro-batches, in the plan's execution order: input ids, labels, position ids,
+the typed micro-batch plan and its attention layout (always attached).
 
 Planning: every rank plans the same metadata deterministically (the planner is C++ and takes
 milliseconds even for 16K ranks), which needs no broadcast and no central planner process; a
 fingerprint of the plan is all-reduced once per step (MIN and MAX of a 63-bit hash) so ranks with
 mismatched configurations fail with a clear error instead of deadlocking in a ring.
 
-Token order inside a micro-batch: the local documents first (whole), then each sharded document's
-two zig-zag chunks (chunk i, then chunk 2N-1-i for ring position i). Labels are the next token of
-the SAME document: the label of a chunk's last token is the first token of the following chunk,
-read directly from the dataset even when that chunk lives on another rank; the last token of a
+Token order inside a micro-batch (:meth:`MicroBatchPlan.token_ranges`): the local documents first
+(whole), then each sharded document's two zig-zag chunks. Labels are the next token of the SAME
+document: the label of a chunk's last token is the first token of the following chunk, read
+directly from the dataset even when that chunk lives on another rank; the last token of a
 document has no label. Position ids are positions inside the document (RoPE-correct for chunks).
 
 The next step is prepared in a background thread while the current one trains. The loader's
@@ -23,107 +24,46 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from ..loss import IGNORE_INDEX
+from ..config import LoaderConfig, PlannerConfig, RuntimeConfig
+from ..planner.types import MicroBatchPlan
 from .dataset import TokenDataset
+from .types import IGNORE_INDEX, MicroBatch, Step
 
-__all__ = ["SequenceSpec", "MicroBatchSpec", "MicroBatch", "Step", "GlobalBatchSampler", "HDPLoader",
-           "materialize", "lockstep_schedule"]
-
-
-@dataclass(frozen=True)
-class SequenceSpec:
-    """One sequence in a micro-batch: whole (ring_size 1) or sharded over a ring."""
-
-    seq_id: int
-    length: int
-    ring_size: int = 1
-    ring_pos: int = 0
+__all__ = ["GlobalBatchSampler", "HDPLoader", "materialize", "lockstep_schedule"]
 
 
-@dataclass
-class MicroBatchSpec:
-    """What the plan says one micro-batch of one rank holds."""
+def materialize(dataset: TokenDataset, plan: MicroBatchPlan, bf16_grad_comm: bool = False) -> MicroBatch:
+    """Read exactly this micro-batch's tokens (plus one label token per range) from the dataset.
 
-    local: List[SequenceSpec]
-    sharded: List[SequenceSpec]
-    group: Tuple[int, ...] = ()
-    offload_ratio: float = 0.0
-
-    @property
-    def num_tokens(self) -> int:
-        from .._zigzag import local_tokens
-
-        return sum(s.length for s in self.local) + sum(
-            local_tokens(s.length, s.ring_size, s.ring_pos) for s in self.sharded
-        )
-
-
-@dataclass
-class MicroBatch:
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    position_ids: torch.Tensor
-    spec: MicroBatchSpec
-    layout: Any = None
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.numel())
-
-
-@dataclass
-class Step:
-    index: int
-    seq_ids: List[int]
-    global_tokens: int
-    global_loss_tokens: int
-    micro_batches: List[MicroBatch]
-    plan: Any = None
-    info: Dict[str, Any] = field(default_factory=dict)
-
-
-def materialize(dataset: TokenDataset, spec: MicroBatchSpec,
-                layout_factory: Optional[Callable[[MicroBatchSpec], Any]] = None) -> MicroBatch:
-    """Read exactly this micro-batch's tokens (plus one label token per range) from the dataset."""
-    from .._zigzag import chunk
-
+    ``plan`` must be bound to dataset ids (:meth:`MicroBatchPlan.bind`).
+    """
     ids, labels, pos = [], [], []
-
-    def add_range(sid: int, length: int, a: int, b: int) -> None:
+    for doc, a, b in plan.token_ranges():
         if b <= a:
-            return
-        ids.append(dataset.tokens(sid, a, b))
-        nxt_end = min(b + 1, length)
-        lab = dataset.tokens(sid, a + 1, nxt_end)
-        if b == length:  # the document's last token has no target
+            continue
+        if doc.sample_id < 0:
+            raise ValueError(f"materialize: document at batch position {doc.batch_pos} has no sample id; "
+                             "bind the plan to the batch first (MicroBatchPlan.bind)")
+        ids.append(dataset.tokens(doc.sample_id, a, b))
+        lab = dataset.tokens(doc.sample_id, a + 1, min(b + 1, doc.length))
+        if b == doc.length:  # the document's last token has no target
             lab = torch.cat([lab, torch.tensor([IGNORE_INDEX], dtype=torch.long)])
         labels.append(lab)
         pos.append(torch.arange(a, b, dtype=torch.long))
-
-    for s in spec.local:
-        add_range(s.seq_id, s.length, 0, s.length)
-    for s in spec.sharded:
-        n = s.ring_size
-        for c in (s.ring_pos, 2 * n - 1 - s.ring_pos):
-            a, b = chunk(s.length, n, c)
-            add_range(s.seq_id, s.length, a, b)
     if ids:
-        mb = MicroBatch(torch.cat(ids), torch.cat(labels), torch.cat(pos), spec)
+        tensors = (torch.cat(ids), torch.cat(labels), torch.cat(pos))
     else:
         empty = torch.empty(0, dtype=torch.long)
-        mb = MicroBatch(empty, empty.clone(), empty.clone(), spec)
-    if layout_factory is not None:
-        mb.layout = layout_factory(spec)
-    return mb
+        tensors = (empty, empty.clone(), empty.clone())
+    return MicroBatch(*tensors, plan=plan, layout=plan.layout(bf16_grad_comm))
 
 
-def lockstep_schedule(per_rank: List[List[MicroBatchSpec]]) -> List[List[MicroBatchSpec]]:
+def lockstep_schedule(per_rank: Sequence[Sequence[MicroBatchPlan]]) -> List[List[MicroBatchPlan]]:
     """Align every rank's micro-batches into slots run in lockstep (for FSDP2-style training).
 
     With sharded parameters every rank joins a collective in every forward/backward, so all ranks
@@ -131,28 +71,29 @@ def lockstep_schedule(per_rank: List[List[MicroBatchSpec]]) -> List[List[MicroBa
     keep their relative order on every member (the plan's contract) and are placed in the earliest
     slot where all members are free; local micro-batches fill the remaining slots in order; every
     rank is padded with empty micro-batches to the same number of slots. Pure function of the plan:
-    every rank computes the same schedule.
+    every rank computes the same schedule. Returned plans are re-indexed by slot.
     """
     world = len(per_rank)
-    ring_lists = [[(tuple(mb.group), tuple(s.seq_id for s in mb.sharded)) for mb in specs if mb.group]
-                  for specs in per_rank]
-    ring_specs = [{(tuple(mb.group), tuple(s.seq_id for s in mb.sharded)): mb for mb in specs if mb.group}
-                  for specs in per_rank]
+    ring_lists = [[mb for mb in specs if mb.is_ring] for specs in per_rank]
     heads = [0] * world
     next_free = [0] * world
     slots: List[dict] = [dict() for _ in range(world)]
     remaining = sum(len(r) for r in ring_lists)
+
+    def key(mb: MicroBatchPlan):
+        return (mb.ring, mb.ring_id)
+
     while remaining:
         progressed = False
         for r in range(world):
             if heads[r] >= len(ring_lists[r]):
                 continue
-            key = ring_lists[r][heads[r]]
-            members = key[0]
-            if all(heads[m] < len(ring_lists[m]) and ring_lists[m][heads[m]] == key for m in members):
+            k = key(ring_lists[r][heads[r]])
+            members = k[0]
+            if all(heads[m] < len(ring_lists[m]) and key(ring_lists[m][heads[m]]) == k for m in members):
                 slot = max(next_free[m] for m in members)
                 for m in members:
-                    slots[m][slot] = ring_specs[m][key]
+                    slots[m][slot] = ring_lists[m][heads[m]]
                     next_free[m] = slot + 1
                     heads[m] += 1
                 remaining -= len(members)
@@ -162,13 +103,25 @@ def lockstep_schedule(per_rank: List[List[MicroBatchSpec]]) -> List[List[MicroBa
                                "across their members; the plan violates its ordering contract")
     for r in range(world):
         k = 0
-        for mb in (m for m in per_rank[r] if not m.group):
+        for mb in (m for m in per_rank[r] if not m.is_ring):
             while k in slots[r]:
                 k += 1
             slots[r][k] = mb
     total = max((max(sl) + 1 for sl in slots if sl), default=0)
-    return [[slots[r].get(k, MicroBatchSpec(local=[], sharded=[])) for k in range(total)]
-            for r in range(world)]
+    out = []
+    for r in range(world):
+        row = []
+        for k in range(total):
+            mb = slots[r].get(k)
+            row.append(MicroBatchPlan(r, k) if mb is None else _reindex(mb, k))
+        out.append(row)
+    return out
+
+
+def _reindex(mb: MicroBatchPlan, index: int) -> MicroBatchPlan:
+    from dataclasses import replace
+
+    return mb if mb.index == index else replace(mb, index=index)
 
 
 class GlobalBatchSampler:
@@ -232,50 +185,39 @@ class HDPLoader:
 
     Args:
         dataset: a :class:`~bytescale.data.dataset.TokenDataset`.
-        plan_fn: ``plan_fn(lengths: list[int]) -> (plan, specs_for_rank)`` where
-            ``specs_for_rank(rank) -> list[MicroBatchSpec]``; :func:`bytescale.data.hdp_plan_fn`
-            builds one from the C++ planner.
-        tokens_per_batch: global batch token budget.
+        planner: how steps are planned (:class:`~bytescale.config.PlannerConfig`).
+        config: batch size, seed, prefetch, plan check, lockstep (:class:`~bytescale.config.LoaderConfig`).
         rank, world_size: this rank and the HDP world (default: torch.distributed's).
-        layout_factory: builds the attention layout of a micro-batch spec.
-        check_plan: all-reduce a fingerprint of the plan every step (needs an initialised
-            process group).
-        prefetch: prepare step k+1 in a background thread while step k trains.
-        pad_micro_batches: run micro-batches in lockstep (:func:`lockstep_schedule`): every rank
-            gets the same number of slots (empty micro-batches as padding) and ring members meet
-            in the same slot, for sharded-parameter training (FSDP2) where every rank joins every
-            forward's parameter all-gather.
+        runtime: ``bf16_grad_comm`` of the layouts (:class:`~bytescale.config.RuntimeConfig`).
     """
 
     def __init__(
         self,
         dataset: TokenDataset,
-        plan_fn: Callable[[List[int]], Tuple[Any, Callable[[int], List[MicroBatchSpec]]]],
-        tokens_per_batch: int,
+        planner: PlannerConfig,
+        config: LoaderConfig,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
-        seed: int = 0,
-        layout_factory: Optional[Callable[[MicroBatchSpec], Any]] = None,
-        check_plan: bool = True,
-        prefetch: bool = True,
-        max_steps: Optional[int] = None,
-        pad_micro_batches: bool = False,
+        runtime: Optional[RuntimeConfig] = None,
     ) -> None:
         import torch.distributed as dist
 
+        if not isinstance(planner, PlannerConfig):
+            raise TypeError(f"HDPLoader: planner must be a bytescale.config.PlannerConfig, got {type(planner).__name__}")
+        if not isinstance(config, LoaderConfig):
+            raise TypeError(f"HDPLoader: config must be a bytescale.config.LoaderConfig, got {type(config).__name__}")
         self.dataset = dataset
-        self.plan_fn = plan_fn
-        self.rank = dist.get_rank() if rank is None else rank
-        self.world_size = dist.get_world_size() if world_size is None else world_size
+        self.planner = planner
+        self.config = config
+        self.runtime = runtime or RuntimeConfig()
+        self.rank = dist.get_rank() if rank is None else int(rank)
+        self.world_size = dist.get_world_size() if world_size is None else int(world_size)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"HDPLoader: rank {self.rank} outside [0, {self.world_size})")
         self.sampler = GlobalBatchSampler([dataset.length(i) for i in range(len(dataset))],
-                                          tokens_per_batch, seed)
-        self.layout_factory = layout_factory
-        self.check_plan = check_plan
-        self.prefetch = prefetch
-        self.max_steps = max_steps
-        self.pad_micro_batches = pad_micro_batches
+                                          config.tokens_per_batch, config.seed)
         self.step_index = 0
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if prefetch else None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if config.prefetch else None
         self._pending: Optional[concurrent.futures.Future] = None
         self._pending_state: Optional[Dict[str, Any]] = None
 
@@ -298,23 +240,20 @@ class HDPLoader:
         self._pending_state = None
 
     # -- steps ---------------------------------------------------------------------------------
-    def _build(self, step_index: int, seq_ids: List[int]) -> Step:
-        lengths = [self.dataset.length(s) for s in seq_ids]
-        plan, specs_for_rank = self.plan_fn(lengths)
-        if self.pad_micro_batches:
-            specs = lockstep_schedule([specs_for_rank(r) for r in range(self.world_size)])[self.rank]
+    def _build(self, step_index: int, sample_ids: List[int]) -> Step:
+        lengths = [self.dataset.length(s) for s in sample_ids]
+        plan = self.planner.plan(lengths, self.world_size)
+        if self.config.lockstep:
+            per_rank = [plan.micro_batches(r, sample_ids) for r in range(self.world_size)]
+            mine = lockstep_schedule(per_rank)[self.rank]
         else:
-            specs = specs_for_rank(self.rank)
-        # The plan works on positions in the batch; map to dataset ids.
-        for mb in specs:
-            mb.local = [SequenceSpec(seq_ids[s.seq_id], s.length, s.ring_size, s.ring_pos) for s in mb.local]
-            mb.sharded = [SequenceSpec(seq_ids[s.seq_id], s.length, s.ring_size, s.ring_pos) for s in mb.sharded]
-        micro = [materialize(self.dataset, mb, self.layout_factory) for mb in specs]
+            mine = plan.micro_batches(self.rank, sample_ids)
+        bf16 = self.runtime.bf16_grad_comm
+        micro = tuple(materialize(self.dataset, mb, bf16) for mb in mine)
         gl_tokens = int(sum(lengths))
-        step = Step(step_index, list(seq_ids), gl_tokens, gl_tokens - len(lengths), micro, plan)
-        plan_bytes = plan.to_bytes() if hasattr(plan, "to_bytes") else repr(plan).encode()
+        step = Step(step_index, tuple(sample_ids), gl_tokens, gl_tokens - len(lengths), micro, plan)
         step.info["fingerprint"] = _plan_fingerprint(
-            repr((seq_ids, lengths, self.world_size)).encode() + bytes(plan_bytes))
+            repr((list(sample_ids), lengths, self.world_size)).encode() + bytes(plan.to_bytes()))
         return step
 
     def _next_ids(self) -> Tuple[int, List[int], Dict[str, Any]]:
@@ -328,7 +267,7 @@ class HDPLoader:
     def _verify(self, step: Step) -> None:
         import torch.distributed as dist
 
-        if not (self.check_plan and dist.is_initialized()):
+        if not (self.config.check_plan and dist.is_initialized()):
             return
         fp = torch.tensor([step.info["fingerprint"], -step.info["fingerprint"]], dtype=torch.long)
         dist.all_reduce(fp, op=dist.ReduceOp.MAX)
@@ -343,7 +282,7 @@ class HDPLoader:
         return self
 
     def __next__(self) -> Step:
-        if self.max_steps is not None and self.step_index >= self.max_steps and self._pending is None:
+        if self.config.max_steps is not None and self.step_index >= self.config.max_steps and self._pending is None:
             raise StopIteration
         if self._pending is not None:
             step = self._pending.result()
@@ -352,7 +291,7 @@ class HDPLoader:
         else:
             idx, ids, _ = self._next_ids()
             step = self._build(idx, ids)
-        if self._pool is not None and (self.max_steps is None or self.step_index < self.max_steps):
+        if self._pool is not None and (self.config.max_steps is None or self.step_index < self.config.max_steps):
             idx, ids, before = self._next_ids()
             # state_dict() while the next step is in flight reports the position BEFORE it.
             self._pending_state = before

@@ -1,6 +1,6 @@
 """Hugging Face transformers integration: ``attn_implementation="bytescale"``.
 
-``import bytescale.hf`` (or :func:`register`) registers an attention implementation with
+``import bytescale.models.hf`` (or :func:`register`) registers an attention implementation with
 transformers' ``AttentionInterface``. A model using that interface (``LlamaForCausalLM``, Qwen,
 Mistral, ...) then trains under bytescale with only ``attn_implementation`` changed::
 
@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .microbatch import attention
+from ..attention.api import attention
 
 NAME = "bytescale"
 

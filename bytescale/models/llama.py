@@ -1,10 +1,10 @@
 """A small Llama-style decoder for packed variable-length input.
 
 Input is one packed micro-batch: ``input_ids`` (T,) and ``position_ids`` (T,) (each token's position
-inside its own document, so RoPE is right for sharded zig-zag chunks too). Attention goes through
-:func:`bytescale.attention.attention`, which reads the current micro-batch layout (local documents:
-varlen attention; the sharded document: ring attention on its dynamic group). Without a layout the
-model treats its input as one causal document.
+inside its own document, so RoPE is right for sharded zig-zag chunks too) and the micro-batch's
+attention ``layout`` (:class:`bytescale.attention.Layout`; local documents: varlen attention; the
+sharded ones: ring attention on their dynamic group), passed explicitly to
+:func:`bytescale.attention.attention`. Without a layout the input is one causal document.
 
 Structure (per layer): RMSNorm -> GQA attention with RoPE -> residual -> RMSNorm -> SwiGLU MLP ->
 residual. Sizes are set by :class:`LlamaConfig`.
@@ -18,6 +18,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ..attention.api import attention
+from ..attention.layout import Layout
 
 
 @dataclass
@@ -68,7 +71,8 @@ def rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Ten
     return out.flatten(-2)
 
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# attn_fn(q, k, v, softmax_scale, layout) -> (T, Hq, D)
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, Optional[Layout]], torch.Tensor]
 
 
 class Attention(nn.Module):
@@ -82,7 +86,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layout: Optional[Layout] = None) -> torch.Tensor:
         T = x.shape[0]
         hd = self.cfg.head_dim
         q = self.wq(x).view(T, self.cfg.n_heads, hd)
@@ -90,7 +94,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(T, self.cfg.n_kv_heads, hd)
         q = rope(q, position_ids, self.cfg.rope_theta)
         k = rope(k, position_ids, self.cfg.rope_theta)
-        o = self.attn_fn(q, k, v, 1.0 / math.sqrt(hd))
+        o = self.attn_fn(q, k, v, 1.0 / math.sqrt(hd), layout)
         return self.wo(o.reshape(T, self.cfg.n_heads * hd))
 
 
@@ -106,31 +110,31 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig, attn_fn: AttentionFn) -> None:
+    def __init__(self, cfg: LlamaConfig, attn_fn: Optional[AttentionFn] = None) -> None:
         super().__init__()
+        attn_fn = attn_fn or default_attention
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg, attn_fn)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), position_ids)
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layout: Optional[Layout] = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), position_ids, layout)
         return x + self.mlp(self.mlp_norm(x))
 
 
-def _default_attention(q, k, v, scale):
-    from ..microbatch import attention
-
-    return attention(q, k, v, softmax_scale=scale)
+def default_attention(q, k, v, scale, layout=None):
+    """bytescale's attention under ``layout`` (or the current micro-batch's)."""
+    return attention(q, k, v, layout=layout, softmax_scale=scale)
 
 
 class Llama(nn.Module):
-    """Llama-style decoder over a packed micro-batch: ``forward(input_ids, position_ids) -> logits``."""
+    """Llama-style decoder over a packed micro-batch: ``forward(input_ids, position_ids, layout) -> logits``."""
 
     def __init__(self, cfg: LlamaConfig, attn_fn: Optional[AttentionFn] = None) -> None:
         super().__init__()
         self.cfg = cfg
-        fn = attn_fn or _default_attention
+        fn = attn_fn or default_attention
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, fn) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -142,7 +146,8 @@ class Llama(nn.Module):
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=std)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                layout: Optional[Layout] = None) -> torch.Tensor:
         if input_ids.dim() != 1:
             raise ValueError(
                 f"Llama expects packed 1-D input_ids (T,), got shape {tuple(input_ids.shape)}"
@@ -151,5 +156,5 @@ class Llama(nn.Module):
             position_ids = torch.arange(input_ids.shape[0], device=input_ids.device)
         x = self.embed(input_ids)
         for layer in self.layers:
-            x = layer(x, position_ids)
+            x = layer(x, position_ids, layout)
         return self.lm_head(self.norm(x))

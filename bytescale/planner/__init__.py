@@ -2,7 +2,7 @@
 
     plan = bytescale.plan(lengths, world_size=64, capacity=16384)
     plan.imbalance                 # predicted max/mean rank time
-    plan.micro_batches(rank)       # this rank's micro-batches, ring ones first
+    plan.micro_batches(rank)       # this rank's micro-batches (MicroBatchPlan), in execution order
 
 Strategies: ``"balanced"`` (ours: time-balanced, D(s) chosen by cost as well as memory, speed-aware
 LPT for short sequences), ``"naive"`` (the paper's Alg. 1: memory-driven, token-balanced) and
@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-from . import _C
+from .. import _C
 
-__all__ = ["CostModel", "Plan", "PlannedMicroBatch", "load_cost_model", "plan", "hdp_plan_fn"]
+from .types import DocRef, MicroBatchPlan
+
+__all__ = ["CostModel", "Plan", "DocRef", "MicroBatchPlan", "load_cost_model", "plan", "profile"]
 
 CostModel = _C.planner.CostModel
 
@@ -34,33 +35,14 @@ def load_cost_model(source: Union[str, os.PathLike, Dict[str, Any], None] = None
         return CostModel.from_json(f.read())
 
 
-@dataclass(frozen=True)
-class PlannedMicroBatch:
-    """One micro-batch of one rank.
-
-    ``segments``: tuples (sequence index in the batch, ring size, ring position, tokens held).
-    ``group``: ordered global ranks of the ring (empty for a local micro-batch).
-    """
-
-    segments: Tuple[Tuple[int, int, int, int], ...]
-    group: Tuple[int, ...]
-    offload_ratio: float
-    predicted_time: float
-
-    @property
-    def is_ring(self) -> bool:
-        return len(self.group) > 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s[3] for s in self.segments)
-
-
 class Plan:
     """A step's plan (wraps the C++ Plan; its arrays are zero-copy read-only numpy views)."""
 
     def __init__(self, cplan: "_C.planner.Plan", lengths: Optional[np.ndarray] = None) -> None:
         self._p = cplan
+        if lengths is None:  # every token is held exactly once: lengths are the segments' sums
+            lengths = np.bincount(np.asarray(cplan.seg_seq), weights=np.asarray(cplan.seg_tokens),
+                                  minlength=int(cplan.num_sequences)).astype(np.int64)
         self.lengths = lengths
 
     # predictions
@@ -99,11 +81,34 @@ class Plan:
         counts = np.diff(self._p.rank_mb)
         return counts if rank is None else int(counts[rank])
 
-    def micro_batches(self, rank: int) -> List[PlannedMicroBatch]:
-        return [
-            PlannedMicroBatch(tuple(tuple(s) for s in segs), tuple(group), float(r), float(c))
-            for segs, group, r, c in self._p.rank_micro_batches(rank)
-        ]
+    def micro_batches(self, rank: int, sample_ids: Optional[Sequence[int]] = None) -> List[MicroBatchPlan]:
+        """Rank ``rank``'s micro-batches in execution order, read straight from the plan's arrays.
+
+        ``sample_ids`` (the batch's dataset ids, by position) fills each document's ``sample_id``.
+        """
+        p = self._p
+        if not 0 <= rank < p.world_size:
+            raise IndexError(f"Plan.micro_batches: rank {rank} outside [0, {p.world_size})")
+        lengths = self.lengths
+        rank_mb, mb_seg, mb_grp = p.rank_mb, p.mb_seg, p.mb_grp
+        seg_seq, seg_size, seg_pos = p.seg_seq, p.seg_ring_size, p.seg_ring_pos
+        grp, ring_ids, ratio, cost = p.grp_ranks, p.mb_ring, p.mb_offload, p.mb_cost
+        out = []
+        for i, m in enumerate(range(int(rank_mb[rank]), int(rank_mb[rank + 1]))):
+            local, sharded, pos = [], [], 0
+            for k in range(int(mb_seg[m]), int(mb_seg[m + 1])):
+                bp = int(seg_seq[k])
+                ref = DocRef(bp, -1 if sample_ids is None else int(sample_ids[bp]), int(lengths[bp]))
+                if seg_size[k] > 1 or mb_grp[m + 1] > mb_grp[m]:
+                    sharded.append(ref)
+                    pos = int(seg_pos[k])
+                else:
+                    local.append(ref)
+            ring = tuple(int(r) for r in grp[int(mb_grp[m]):int(mb_grp[m + 1])])
+            out.append(MicroBatchPlan(rank=rank, index=i, local=tuple(local), sharded=tuple(sharded),
+                                      ring=ring, ring_pos=pos, ring_id=int(ring_ids[m]),
+                                      offload_ratio=float(ratio[m]), predicted_time=float(cost[m])))
+        return out
 
     def ring_sizes(self) -> Dict[int, int]:
         """Sequence index -> number of ranks it is sharded over (sharded sequences only)."""
@@ -183,24 +188,4 @@ def plan(
     return p
 
 
-def hdp_plan_fn(world_size: int, capacity: int, **options: Any):
-    """A ``plan_fn`` for :class:`bytescale.data.HDPLoader` backed by :func:`plan`."""
-    from .data.loader import MicroBatchSpec, SequenceSpec
-
-    def plan_fn(lengths: List[int]):
-        p = plan(lengths, world_size=world_size, capacity=capacity, **options)
-
-        def specs_for_rank(rank: int) -> List[MicroBatchSpec]:
-            out = []
-            for mb in p.micro_batches(rank):
-                local, sharded = [], []
-                for seq, size, pos, _tok in mb.segments:
-                    spec = SequenceSpec(int(seq), int(lengths[seq]), int(size), int(pos))
-                    (sharded if size > 1 else local).append(spec)
-                out.append(MicroBatchSpec(local=local, sharded=sharded, group=mb.group,
-                                          offload_ratio=mb.offload_ratio))
-            return out
-
-        return p, specs_for_rank
-
-    return plan_fn
+from .profile import profile  # noqa: E402  (measures this cost model on a device)

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from . import _C
+from .. import _C
 
 __all__ = ["offload", "OffloadStats", "default_engine"]
 

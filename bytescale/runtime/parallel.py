@@ -7,14 +7,14 @@ complete, overlapping the rest of that backward; :meth:`HybridDataParallel.finis
 what is left (a rank with no micro-batch contributes zeros), waits, and writes the summed gradients
 back. Buckets always start in the same order on every rank, so the collectives match.
 
-The reduction is a SUM: combined with :func:`bytescale.loss.token_level_loss` (divide by the global
+The reduction is a SUM: combined with :func:`bytescale.runtime.token_level_loss` (divide by the global
 number of loss tokens) the result equals single-device training on the global batch.
 
 Sharded parameters (FSDP2): wrap a model already passed through ``fully_shard``. Then FSDP2 does the
 gradient reduce-scatter (as a SUM: the wrapper sets the gradient divide factor to 1) and gradient
 sync is enabled on the last micro-batch only. FSDP2 all-gathers parameters in every forward, which
 every rank must join, so every rank must run the SAME number of micro-batches: build the loader
-with ``pad_micro_batches=True`` (ranks with fewer get empty micro-batches, zero tokens).
+with ``LoaderConfig(lockstep=True)`` (ranks with fewer get empty micro-batches, zero tokens).
 
 Usage::
 
@@ -22,8 +22,8 @@ Usage::
     for step in loader:                       # bytescale.data.HDPLoader
         mbs = step.micro_batches
         for i, mb in enumerate(mbs):
-            with model.micro_batch(mb, last=(i == len(mbs) - 1)):   # layout + plan's offload ratio
-                logits = model(mb.input_ids, mb.position_ids)
+            with model.micro_batch(mb, last=(i == len(mbs) - 1)):   # plan's offload ratio, HF layout
+                logits = model(mb.input_ids, mb.position_ids, layout=mb.layout)
                 token_level_loss(logits, mb.labels, step.global_loss_tokens).backward()
         model.finish_step()
         opt.step(); opt.zero_grad()
@@ -38,8 +38,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .data.loader import MicroBatch
-from .microbatch import micro_batch_context
+from ..attention.api import micro_batch_context
+from ..config import RuntimeConfig
+from ..data.types import MicroBatch
 from .offload import offload
 
 __all__ = ["HybridDataParallel"]
@@ -64,21 +65,20 @@ class HybridDataParallel(nn.Module):
     Args:
         module: the model (parameters replicated on every rank).
         process_group: the group gradients are summed over (default: the world).
-        bucket_cap_mb: gradient bucket size.
-        broadcast_parameters: broadcast parameters and buffers from rank 0 at construction so all
-            replicas start identical.
+        config: bucket size, initial parameter broadcast, offload threshold
+            (:class:`~bytescale.config.RuntimeConfig`).
     """
 
     def __init__(
         self,
         module: nn.Module,
         process_group: Optional[dist.ProcessGroup] = None,
-        bucket_cap_mb: float = 25.0,
-        broadcast_parameters: bool = True,
+        config: Optional[RuntimeConfig] = None,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("HybridDataParallel: call dist.init_process_group first")
+        self.config = config = config or RuntimeConfig()
         self.module = module
         self.process_group = process_group
         self._sync = False
@@ -97,12 +97,12 @@ class HybridDataParallel(nn.Module):
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ValueError("HybridDataParallel: the module has no trainable parameters")
-        if broadcast_parameters:
+        if config.broadcast_parameters:
             with torch.no_grad():
                 for t in list(module.parameters()) + list(module.buffers()):
                     dist.broadcast(t.data, src=self._global_src(), group=process_group)
         # DDP-style buckets in reverse registration order (roughly the order grads become ready).
-        cap = max(1, int(bucket_cap_mb * 1024 * 1024))
+        cap = max(1, int(config.bucket_cap_mb * 1024 * 1024))
         self._buckets: List[_Bucket] = []
         cur: List[nn.Parameter] = []
         cur_bytes = 0
@@ -140,24 +140,23 @@ class HybridDataParallel(nn.Module):
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
-    def micro_batch(self, layout=None, last: bool = False, offload_ratio: Optional[float] = None,
-                    offload_min_bytes: int = 1 << 16) -> Iterator[None]:
-        """Run one micro-batch (forward AND backward inside the block) under ``layout``.
+    def micro_batch(self, mb: MicroBatch, last: bool = False,
+                    offload_ratio: Optional[float] = None) -> Iterator[None]:
+        """Run one micro-batch (forward AND backward inside the block).
 
-        ``layout`` is the micro-batch's attention layout, or the loader's
-        :class:`~bytescale.data.loader.MicroBatch` itself, which also supplies the offload ratio
-        the plan chose for it (``bytescale.plan(..., offload=True)``). ``offload_ratio`` (0-1)
-        overrides that ratio; above 0, that share of every large saved activation of the
-        micro-batch's tokens moves to host memory during forward and returns for backward
-        (:class:`bytescale.offload`; gradients unchanged). ``last=True`` on the rank's final
-        micro-batch of the step: its backward starts the gradient all-reduce, bucket by bucket.
+        ``mb`` is the loader's :class:`~bytescale.data.MicroBatch`. Inside the block its layout is
+        the current one (the fallback for models that cannot pass ``layout=`` to
+        :func:`bytescale.attention.attention`, such as HF transformers models), and the share of
+        its activations the plan chose (``PlannerConfig(offload=True)``, paper Eq. 3) moves to
+        host memory during forward and returns for backward (:class:`bytescale.offload`;
+        gradients unchanged); ``offload_ratio`` (0-1) overrides it. ``last=True`` on the rank's
+        final micro-batch of the step: its backward starts the gradient all-reduce, bucket by
+        bucket.
         """
-        seq_len = getattr(layout, "num_tokens", None)  # the token dimension of saved activations
-        if isinstance(layout, MicroBatch):
-            if offload_ratio is None:
-                offload_ratio = layout.spec.offload_ratio
-            layout = layout.layout
-        ratio = float(offload_ratio or 0.0)
+        if not isinstance(mb, MicroBatch):
+            raise TypeError(f"HybridDataParallel.micro_batch: expected the loader's bytescale.data.MicroBatch, "
+                            f"got {type(mb).__name__}")
+        ratio = float(mb.offload_ratio if offload_ratio is None else offload_ratio)
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"HybridDataParallel.micro_batch: offload_ratio must be in [0, 1], got {ratio}")
         if not self._in_step:
@@ -167,9 +166,10 @@ class HybridDataParallel(nn.Module):
             self.module.set_requires_gradient_sync(last)
         try:
             with contextlib.ExitStack() as stack:
-                stack.enter_context(micro_batch_context(layout))
+                stack.enter_context(micro_batch_context(mb.layout))
                 if ratio > 0.0:
-                    stack.enter_context(offload(ratio, seq_len=seq_len, min_bytes=offload_min_bytes))
+                    stack.enter_context(offload(ratio, seq_len=mb.num_tokens,
+                                                min_bytes=self.config.offload_min_bytes))
                 yield
         finally:
             self._sync = False

@@ -2,16 +2,15 @@
 
 Every rank builds the same full documents (seeded), keeps its zig-zag shard, runs ring attention
 over the group with real processes and the bytescale backend, and compares its output and q/k/v
-gradients with the shards of plain full-document attention (microbatch.reference_varlen_attention).
+gradients with the shards of plain full-document attention (bytescale.attention.reference_varlen_attention).
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bytescale.microbatch import reference_varlen_attention
-from bytescale._zigzag import local_tokens
-from bytescale.ring import RingLayout, ring_attention, shard, unshard, varlen_attention
+from bytescale.attention import reference_varlen_attention
+from bytescale.attention import Layout, ring_attention, shard, unshard, varlen_attention
 from dist_utils import run_distributed
 
 CASES = [
@@ -44,7 +43,7 @@ def _ring_case(rank, world, ranks, case, seed, dtype):
     ks = torch.cat([kl, shard(k, sh_lens, n, pos)]).to(dtype).requires_grad_()
     vs = torch.cat([vl, shard(v, sh_lens, n, pos)]).to(dtype).requires_grad_()
     ds = torch.cat([doutl, shard(dout, sh_lens, n, pos)]).to(dtype)
-    layout = RingLayout(loc_lens, sh_lens, ranks)
+    layout = Layout.for_rank(loc_lens, sh_lens, ranks)
     out = layout.attention(qs, ks, vs, causal=causal)
     gq, gk, gv = torch.autograd.grad(out, (qs, ks, vs), ds)
     # references in float64 on the full documents
@@ -158,10 +157,12 @@ def test_shard_unshard_roundtrip_and_layout_errors():
     x = torch.arange(sum(lens))
     for n in (1, 2, 3, 5):
         assert torch.equal(unshard([shard(x, lens, n, p) for p in range(n)], lens), x)
-    lay = RingLayout([3], [10], ranks=[4, 2], rank=2)
-    assert lay.pos == 1 and lay.num_tokens == 3 + 5
+    lay = Layout.for_rank([3], [10], ring=[4, 2], rank=2)
+    assert lay.ring_pos == 1 and lay.num_tokens == 3 + 5
     with pytest.raises(ValueError, match="not in the ring"):
-        RingLayout([], [10], ranks=[0, 1], rank=5)
+        Layout.for_rank([], [10], ring=[0, 1], rank=5)
+    with pytest.raises(ValueError, match="need a ring"):
+        Layout(local_lens=(3,), sharded_lens=(10,))
     with pytest.raises(ValueError, match="layout holds"):
         lay.attention(torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8))
     with pytest.raises(RuntimeError, match="multiple of"):
@@ -172,7 +173,7 @@ def test_shard_unshard_roundtrip_and_layout_errors():
 
 @pytest.mark.parametrize("fn", ["varlen", "virtual"])
 def test_bad_inputs_name_what_is_wrong(fn):
-    from bytescale.ring import virtual_ring_attention
+    from bytescale.attention import virtual_ring_attention
 
     def call(q, k, v):
         if fn == "varlen":
@@ -211,7 +212,7 @@ def test_opcheck_and_compile():
 def test_virtual_ring_matches_reference():
     """The virtual ring (all positions in one process, the same step code as the real ring):
     outputs and gradients against float64 full-document attention, causal and not."""
-    from bytescale.ring import shard_order, unshard_order, virtual_ring_attention
+    from bytescale.attention import shard_order, unshard_order, virtual_ring_attention
 
     lens = [61, 3, 130]
     g = torch.Generator().manual_seed(0)

@@ -33,7 +33,7 @@ def _rel(a, b):
 
 
 def _reference(q, k, v, dout, lens, causal):
-    from bytescale.microbatch import reference_varlen_attention
+    from bytescale.attention import reference_varlen_attention
 
     q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
     out = reference_varlen_attention(q, k, v, lens, causal=causal)
@@ -63,7 +63,7 @@ def _sdpa_error(q, k, v, dout, lens, causal, ref):
 @pytest.mark.parametrize("causal", [True, False])
 def test_virtual_ring_flash_matches_float64(dtype, case, causal):
     import bytescale._C as C
-    from bytescale.ring import shard_order, unshard_order, virtual_ring_attention
+    from bytescale.attention import shard_order, unshard_order, virtual_ring_attention
 
     lens, hq, hkv, d = CASES[case]
     q64, k64, v64, dout = _inputs(lens, hq, hkv, d, dtype, seed=case)
@@ -89,7 +89,7 @@ def test_cudnn_steps_match_float64(monkeypatch, causal):
     """Long segments go to cuDNN's fused attention (one dense call per segment, GQA heads
     expanded); shorter steps of the same ring fall back to flash. Both against float64."""
     import bytescale._C as C
-    from bytescale.ring import shard_order, unshard_order, virtual_ring_attention
+    from bytescale.attention import shard_order, unshard_order, virtual_ring_attention
 
     monkeypatch.setenv("BYTESCALE_ATTENTION_KERNEL", "cudnn")
     lens, hq, hkv, d = [9000, 2500], 4, 2, 128
@@ -108,7 +108,7 @@ def test_cudnn_steps_match_float64(monkeypatch, causal):
 
 
 def test_fused_and_tiled_kernels_agree(monkeypatch):
-    from bytescale.ring import shard_order, virtual_ring_attention
+    from bytescale.attention import shard_order, virtual_ring_attention
 
     lens = [1500, 301]
     q64, k64, v64, dout = _inputs(lens, 8, 2, 128, torch.bfloat16, seed=11)
@@ -121,7 +121,7 @@ def test_fused_and_tiled_kernels_agree(monkeypatch):
 
 
 def test_varlen_op_uses_flash_and_matches_reference():
-    from bytescale.ring import varlen_attention
+    from bytescale.attention import varlen_attention
 
     lens = [3000, 1, 17, 4096]
     q64, k64, v64, dout = _inputs(lens, 16, 4, 128, torch.bfloat16, seed=3)
@@ -162,7 +162,7 @@ def test_merge_kernel_matches_float64_and_handles_empty_rows():
 
 
 def test_fp32_on_cuda_uses_tiled_kernel_and_is_tight():
-    from bytescale.ring import shard_order, unshard_order, virtual_ring_attention
+    from bytescale.attention import shard_order, unshard_order, virtual_ring_attention
 
     lens = [300, 45]
     q, k, v, dout = _inputs(lens, 4, 2, 64, torch.float32, seed=9)

@@ -59,8 +59,8 @@ def test_wait_does_not_block_cpu(pg):
 
 def test_dynamic_group_and_attention_on_cuda(pg):
     import bytescale
-    from bytescale.microbatch import reference_varlen_attention
-    from bytescale.ring import ring_attention, varlen_attention
+    from bytescale.attention import reference_varlen_attention
+    from bytescale.attention import ring_attention, varlen_attention
 
     g = bytescale.dynamic_group([0])
     t = torch.ones(5, device="cuda")

@@ -1,13 +1,20 @@
 """The HDP loader: labels and positions across zig-zag shard boundaries, resume, bad configs."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from bytescale._zigzag import chunk, local_tokens
+from bytescale.attention import zigzag
+from bytescale.config import LoaderConfig, PlannerConfig
+from bytescale.data import IGNORE_INDEX, GlobalBatchSampler, HDPLoader, lockstep_schedule, materialize
 from bytescale.data.dataset import InMemoryTokens, SyntheticTokens
-from bytescale.data.loader import (GlobalBatchSampler, HDPLoader, MicroBatchSpec, SequenceSpec,
-                                   materialize)
-from bytescale.loss import IGNORE_INDEX
+from bytescale.planner import DocRef, MicroBatchPlan
+
+
+def _ring_plan(rank, n, length, sample_id=0, ring=None, ring_id=0):
+    ring = tuple(range(n)) if ring is None else ring
+    return MicroBatchPlan(rank=ring[rank], index=0, sharded=(DocRef(0, sample_id, length),),
+                          ring=ring, ring_pos=rank, ring_id=ring_id)
 
 
 def test_sharded_chunks_labels_and_positions_reassemble_the_document():
@@ -17,9 +24,9 @@ def test_sharded_chunks_labels_and_positions_reassemble_the_document():
         got_ids, got_lab = {}, {}
         total = 0
         for i in range(n):
-            spec = MicroBatchSpec(local=[], sharded=[SequenceSpec(0, 23, n, i)], group=tuple(range(n)))
+            spec = _ring_plan(i, n, 23)
             mb = materialize(ds, spec)
-            assert mb.num_tokens == local_tokens(23, n, i) == spec.num_tokens
+            assert mb.num_tokens == zigzag.local_tokens(23, n, i) == spec.num_tokens == mb.layout.num_tokens
             total += mb.num_tokens
             for t, l, p in zip(mb.input_ids.tolist(), mb.labels.tolist(), mb.position_ids.tolist()):
                 got_ids[p], got_lab[p] = t, l
@@ -31,40 +38,38 @@ def test_sharded_chunks_labels_and_positions_reassemble_the_document():
 
 def test_local_and_sharded_mixed_order():
     ds = InMemoryTokens([torch.arange(5), torch.arange(100, 110), torch.arange(200, 207)])
-    spec = MicroBatchSpec(local=[SequenceSpec(0, 5), SequenceSpec(2, 7)],
-                          sharded=[SequenceSpec(1, 10, 2, 1)], group=(3, 1))
+    spec = MicroBatchPlan(rank=1, index=0, local=(DocRef(0, 0, 5), DocRef(2, 2, 7)),
+                          sharded=(DocRef(1, 1, 10),), ring=(3, 1), ring_pos=1, ring_id=0)
     mb = materialize(ds, spec)
-    a1, b1 = chunk(10, 2, 1)
-    a2, b2 = chunk(10, 2, 2)
+    a1, b1 = zigzag.chunk(10, 2, 1)
+    a2, b2 = zigzag.chunk(10, 2, 2)
     expect = list(range(5)) + list(range(200, 207)) + list(range(100 + a1, 100 + b1)) + list(range(100 + a2, 100 + b2))
     assert mb.input_ids.tolist() == expect
     assert mb.position_ids.tolist()[:12] == list(range(5)) + list(range(7))
     assert mb.labels[4].item() == IGNORE_INDEX and mb.labels[11].item() == IGNORE_INDEX
+    assert mb.layout.local_lens == (5, 7) and mb.layout.sharded_lens == (10,) and mb.layout.ring == (3, 1)
 
 
-def _round_robin_plan(world):
-    def plan_fn(lengths):
-        def specs_for_rank(rank):
-            mine = [SequenceSpec(i, n) for i, n in enumerate(lengths) if i % world == rank]
-            return [MicroBatchSpec(local=mine[j:j + 2], sharded=[]) for j in range(0, len(mine), 2)]
-        return repr(lengths), specs_for_rank
-    return plan_fn
+def test_unbound_plan_is_rejected():
+    ds = InMemoryTokens([torch.arange(5)])
+    with pytest.raises(ValueError, match="no sample id"):
+        materialize(ds, MicroBatchPlan(rank=0, index=0, local=(DocRef(0, -1, 5),)))
 
 
 def _steps(loader, k):
-    return [([m.input_ids.clone() for m in s.micro_batches], s.seq_ids) for s in (next(loader) for _ in range(k))]
+    return [([m.input_ids.clone() for m in s.micro_batches], s.sample_ids) for s in (next(loader) for _ in range(k))]
 
 
 def test_resume_gives_identical_batches():
     ds = SyntheticTokens([7 + (i * 37) % 90 for i in range(50)], vocab_size=101, seed=3)
+    planner = PlannerConfig(capacity=64)
     for prefetch in (False, True):
-        a = HDPLoader(ds, _round_robin_plan(2), tokens_per_batch=300, rank=1, world_size=2,
-                      seed=5, check_plan=False, prefetch=prefetch)
+        cfg = LoaderConfig(tokens_per_batch=300, seed=5, check_plan=False, prefetch=prefetch)
+        a = HDPLoader(ds, planner, cfg, rank=1, world_size=2)
         first = _steps(a, 4)
         state = a.state_dict()
         rest = _steps(a, 6)  # crosses an epoch boundary (50 seqs, ~6 per batch)
-        b = HDPLoader(ds, _round_robin_plan(2), tokens_per_batch=300, rank=1, world_size=2,
-                      seed=5, check_plan=False, prefetch=prefetch)
+        b = HDPLoader(ds, planner, cfg, rank=1, world_size=2)
         b.load_state_dict(state)
         again = _steps(b, 6)
         assert [s for _, s in again] == [s for _, s in rest]
@@ -72,6 +77,37 @@ def test_resume_gives_identical_batches():
             assert all(torch.equal(p, q) for p, q in zip(x, y))
         a.close(), b.close()
         assert len(first) == 4
+
+
+def test_loader_always_attaches_layouts_matching_the_plan():
+    ds = SyntheticTokens([7 + (i * 37) % 90 for i in range(40)], vocab_size=101, seed=3)
+    world = 3
+    loaders = [HDPLoader(ds, PlannerConfig(capacity=40), LoaderConfig(tokens_per_batch=400, check_plan=False),
+                         rank=r, world_size=world) for r in range(world)]
+    steps = [next(ld) for ld in loaders]
+    tokens = 0
+    for r, st in enumerate(steps):
+        for mb in st.micro_batches:
+            assert mb.layout == mb.plan.layout() and mb.layout.num_tokens == mb.num_tokens
+            assert all(d.sample_id == st.sample_ids[d.batch_pos] for d in mb.plan.documents)
+            if mb.plan.is_ring:
+                assert mb.layout.ring[mb.layout.ring_pos] == r
+            tokens += mb.num_tokens
+    assert tokens == steps[0].global_tokens  # every token of the global batch exactly once
+    for ld in loaders:
+        ld.close()
+
+
+def test_loader_rejects_untyped_configuration():
+    ds = InMemoryTokens([torch.arange(5)])
+    with pytest.raises(TypeError, match="PlannerConfig"):
+        HDPLoader(ds, lambda lengths: None, LoaderConfig(tokens_per_batch=5), rank=0, world_size=1)
+    with pytest.raises(ValueError, match="tokens_per_batch"):
+        LoaderConfig(tokens_per_batch=0)
+    with pytest.raises(ValueError, match="capacity"):
+        PlannerConfig(capacity=1.5)
+    with pytest.raises(ValueError, match="rank 2"):
+        HDPLoader(ds, PlannerConfig(capacity=8), LoaderConfig(tokens_per_batch=5), rank=2, world_size=2)
 
 
 def test_sampler_budget_and_epochs():
@@ -85,21 +121,25 @@ def test_sampler_budget_and_epochs():
 
 
 def test_lockstep_schedule_aligns_rings_and_pads():
-    from bytescale.data.loader import lockstep_schedule
+    def ring_mb(rank, ring, ring_id, bp):
+        return MicroBatchPlan(rank, 0, sharded=(DocRef(bp, bp, 50),), ring=ring,
+                              ring_pos=ring.index(rank), ring_id=ring_id)
 
-    A = MicroBatchSpec(local=[], sharded=[SequenceSpec(0, 50, 2, 0)], group=(0, 2))
-    B = MicroBatchSpec(local=[], sharded=[SequenceSpec(1, 50, 2, 0)], group=(1, 2))
-    L = lambda i: MicroBatchSpec(local=[SequenceSpec(i, 5)], sharded=[])  # noqa: E731
-    per_rank = [[A, L(3), L(4)], [B, L(5)], [A, B]]
+    def L(rank, i):
+        return MicroBatchPlan(rank, 1, local=(DocRef(i, i, 5),))
+
+    per_rank = [[ring_mb(0, (0, 2), 0, 0), L(0, 3), L(0, 4)], [ring_mb(1, (1, 2), 1, 1), L(1, 5)],
+                [ring_mb(2, (0, 2), 0, 0), ring_mb(2, (1, 2), 1, 1)]]
     out = lockstep_schedule(per_rank)
     assert len({len(x) for x in out}) == 1  # same number of slots everywhere
     for k in range(len(out[0])):
         rings = {}
         for r in range(3):
-            g = out[r][k].group
+            g = out[r][k].ring
             if g:
                 rings.setdefault(g, []).append(r)
+            assert out[r][k].index == k and out[r][k].rank == r
         for g, members in rings.items():  # every member of a ring is in that ring at slot k
             assert sorted(members) == sorted(g)
-    assert [m.group for m in out[2] if m.group] == [(0, 2), (1, 2)]  # ring order kept
+    assert [m.ring for m in out[2] if m.ring] == [(0, 2), (1, 2)]  # ring order kept
     assert sum(1 for m in out[0] if m.local) == 2 and sum(1 for m in out[1] if m.local) == 1

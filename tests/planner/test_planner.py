@@ -45,11 +45,11 @@ def test_invariants_on_random_input(lengths, world, strategy, offload, hetero):
     for r in range(world):
         rings = [mb for mb in p.micro_batches(r) if mb.is_ring]
         for mb in p.micro_batches(r):
-            for seq, size, pos, tok in mb.segments:
-                seen[seq] += tok
+            for doc, a, b in mb.token_ranges():
+                seen[doc.batch_pos] += b - a
             if not mb.is_ring:
                 assert mb.num_tokens <= int(CAP * (memory[r] if memory else 1.0))
-        ring_order[r] = [mb.segments[0][0] for mb in rings]
+        ring_order[r] = [mb.sharded[0].batch_pos for mb in rings]
     assert (seen == np.asarray(lengths, dtype=np.int64)).all()
     # rings appear in the same relative order on every member
     for a in range(world):

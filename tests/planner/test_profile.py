@@ -6,27 +6,24 @@ import json
 import torch
 
 import bytescale
-from bytescale.microbatch import LocalLayout, micro_batch_context
+from bytescale.attention import Layout
 from bytescale.models.llama import Block, LlamaConfig
-from bytescale.profile import profile
+from bytescale.planner import profile
 
 CFG = LlamaConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128)
 
 
 def test_profile_cpu_layer(tmp_path):
-    from bytescale.models.llama import _default_attention
-
     def make_input(s):
         return (torch.randn(s, CFG.dim, requires_grad=True), torch.arange(s))
 
     class Layer(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.block = Block(CFG, _default_attention)
+            self.block = Block(CFG)
 
         def forward(self, x, pos):
-            with micro_batch_context(LocalLayout([x.shape[0]])):
-                return self.block(x, pos)
+            return self.block(x, pos, Layout.local([x.shape[0]]))
 
     out = tmp_path / "profile.json"
     prof = profile(Layer, make_input, seq_lens=[128, 256, 512, 768], layers=8, out=str(out), reps=2,

@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bytescale.loss import IGNORE_INDEX, token_level_loss
-from bytescale.microbatch import LocalLayout
+from bytescale.attention import Layout
+from bytescale.config import RuntimeConfig
+from bytescale.data import IGNORE_INDEX, MicroBatch
+from bytescale.planner import DocRef, MicroBatchPlan
+from bytescale.runtime import token_level_loss
 from bytescale.models import Llama, LlamaConfig
 from dist_utils import run_distributed
 
@@ -37,8 +40,7 @@ def _reference():
         ids = torch.cat(docs)
         pos = torch.cat([torch.arange(len(d)) for d in docs])
         labels = torch.cat([_labels(d) for d in docs])
-        with __import__("bytescale").microbatch.micro_batch_context(LocalLayout([len(d) for d in docs])):
-            logits = model(ids, pos)
+        logits = model(ids, pos, layout=Layout.local([len(d) for d in docs]))
         ntok = int((labels != IGNORE_INDEX).sum())
         token_level_loss(logits, labels, ntok).backward()
         opt.step()
@@ -61,9 +63,8 @@ def _assignment(world: int, step: int):
 
 def _hdp(rank: int, world: int):
     from bytescale import HybridDataParallel
-    from bytescale.microbatch import LocalLayout
 
-    model = HybridDataParallel(_model(), bucket_cap_mb=0.001)
+    model = HybridDataParallel(_model(), config=RuntimeConfig(bucket_cap_mb=0.001))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for step in range(STEPS):
         docs = _docs(step)
@@ -74,8 +75,10 @@ def _hdp(rank: int, world: int):
             ids = torch.cat(ds)
             pos = torch.cat([torch.arange(len(d)) for d in ds])
             labels = torch.cat([_labels(d) for d in ds])
-            with model.micro_batch(LocalLayout([len(d) for d in ds]), last=(i == len(mbs) - 1)):
-                token_level_loss(model(ids, pos), labels, global_tokens).backward()
+            plan = MicroBatchPlan(rank, i, local=tuple(DocRef(j, j, len(docs[j])) for j in ids_))
+            mb = MicroBatch(ids, labels, pos, plan, plan.layout())
+            with model.micro_batch(mb, last=(i == len(mbs) - 1)):
+                token_level_loss(model(ids, pos, layout=mb.layout), labels, global_tokens).backward()
         model.finish_step()
         opt.step()
         opt.zero_grad()

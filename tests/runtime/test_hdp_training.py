@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bytescale.data import HDPLoader, SyntheticTokens
-from bytescale.loss import IGNORE_INDEX, token_level_loss
-from bytescale.microbatch import LocalLayout, micro_batch_context
+from bytescale.attention import Layout
+from bytescale.config import LoaderConfig, PlannerConfig, RuntimeConfig
+from bytescale.data import IGNORE_INDEX, HDPLoader, SyntheticTokens
+from bytescale.runtime import token_level_loss
 from bytescale.models import Llama, LlamaConfig
 from dist_utils import run_distributed
 
@@ -32,21 +33,19 @@ def _dataset():
 
 def _reference(dtype, world):
     """Single process, plain attention on whole documents, same global batches."""
-    from bytescale.planner import hdp_plan_fn
-
     ds = _dataset()
-    loader = HDPLoader(ds, hdp_plan_fn(world, CAPACITY), TOKENS_PER_BATCH, rank=0, world_size=world,
-                       seed=5, check_plan=False, prefetch=False, max_steps=STEPS)
+    loader = HDPLoader(ds, PlannerConfig(CAPACITY), LoaderConfig(TOKENS_PER_BATCH, seed=5, check_plan=False,
+                                                                  prefetch=False, max_steps=STEPS),
+                       rank=0, world_size=world)
     model = _model(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     batches = []
     for step in loader:
-        ids = step.seq_ids
+        ids = list(step.sample_ids)
         docs = [ds.tokens(i, 0, ds.length(i)) for i in ids]
         labels = torch.cat([torch.cat([d[1:], torch.tensor([IGNORE_INDEX])]) for d in docs])
         pos = torch.cat([torch.arange(len(d)) for d in docs])
-        with micro_batch_context(LocalLayout([len(d) for d in docs])):
-            logits = model(torch.cat(docs), pos)
+        logits = model(torch.cat(docs), pos, layout=Layout.local([len(d) for d in docs]))
         token_level_loss(logits, labels, step.global_loss_tokens).backward()
         opt.step()
         opt.zero_grad()
@@ -56,14 +55,12 @@ def _reference(dtype, world):
 
 def _hdp(rank, world, dtype_name, offload_ratio=0.0, plan_offload=False):
     from bytescale import HybridDataParallel
-    from bytescale.offload import default_engine
-    from bytescale.planner import hdp_plan_fn
-    from bytescale.ring import RingLayout
+    from bytescale.runtime.offload import default_engine
 
     dtype = getattr(torch, dtype_name)
-    loader = HDPLoader(_dataset(), hdp_plan_fn(world, CAPACITY, offload=plan_offload),
-                       TOKENS_PER_BATCH, seed=5, layout_factory=RingLayout.from_spec, max_steps=STEPS)
-    model = HybridDataParallel(_model(dtype), bucket_cap_mb=0.01)
+    loader = HDPLoader(_dataset(), PlannerConfig(CAPACITY, offload=plan_offload),
+                       LoaderConfig(TOKENS_PER_BATCH, seed=5, max_steps=STEPS))
+    model = HybridDataParallel(_model(dtype), config=RuntimeConfig(bucket_cap_mb=0.01, offload_min_bytes=256))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     stats = []
     for step in loader:
@@ -71,15 +68,14 @@ def _hdp(rank, world, dtype_name, offload_ratio=0.0, plan_offload=False):
         for i, mb in enumerate(mbs):
             # plan_offload: the plan's own ratio, from the MicroBatch; else the ratio given here
             ratio = None if plan_offload else offload_ratio
-            with model.micro_batch(mb, last=i == len(mbs) - 1, offload_ratio=ratio,
-                                   offload_min_bytes=256):
-                logits = model(mb.input_ids, mb.position_ids)
+            with model.micro_batch(mb, last=i == len(mbs) - 1, offload_ratio=ratio):
+                logits = model(mb.input_ids, mb.position_ids, layout=mb.layout)
                 token_level_loss(logits, mb.labels, step.global_loss_tokens).backward()
         model.finish_step()
         opt.step()
         opt.zero_grad()
-        stats.append((step.seq_ids, len(mbs), max((len(m.spec.group) for m in mbs), default=0),
-                      [m.spec.offload_ratio for m in mbs], default_engine().offloaded_bytes))
+        stats.append((list(step.sample_ids), len(mbs), max((len(m.plan.ring) for m in mbs), default=0),
+                      [m.plan.offload_ratio for m in mbs], default_engine().offloaded_bytes))
     loader.close()
     return [p.detach() for p in model.module.parameters()], stats
 
@@ -108,10 +104,8 @@ def test_hdp_matches_single_process_float32():
 
 
 def _mismatched_config(rank, world):
-    from bytescale.planner import hdp_plan_fn
-
-    loader = HDPLoader(_dataset(), hdp_plan_fn(world, CAPACITY), TOKENS_PER_BATCH,
-                       seed=5 + rank, prefetch=False, max_steps=1)  # a per-rank seed: a config bug
+    loader = HDPLoader(_dataset(), PlannerConfig(CAPACITY),
+                       LoaderConfig(TOKENS_PER_BATCH, seed=5 + rank, prefetch=False, max_steps=1))  # a per-rank seed: a config bug
     try:
         next(loader)
     except RuntimeError as e:
@@ -125,10 +119,8 @@ def test_mismatched_loader_config_fails_clearly():
 
 
 def test_unplannable_batch_is_a_clear_error():
-    from bytescale.planner import hdp_plan_fn
-
-    loader = HDPLoader(_dataset(), hdp_plan_fn(2, 16), 10_000, rank=0, world_size=2, seed=0,
-                       check_plan=False, prefetch=False)
+    loader = HDPLoader(_dataset(), PlannerConfig(16), LoaderConfig(10_000, seed=0, check_plan=False, prefetch=False),
+                       rank=0, world_size=2)
     with pytest.raises(ValueError, match="ranks"):
         next(loader)
 
@@ -136,11 +128,13 @@ def test_unplannable_batch_is_a_clear_error():
 def test_model_without_layout_hook_errors():
     # a model that does not route attention through bytescale would silently attend across
     # documents; HybridDataParallel's micro_batch layout is only consulted via bytescale.attention
-    lay = LocalLayout([3, 4])
+    lay = Layout.local([3, 4])
     with pytest.raises(ValueError, match="sum to"):
-        from bytescale.microbatch import reference_varlen_attention
+        from bytescale.attention import reference_varlen_attention
 
-        reference_varlen_attention(torch.randn(5, 2, 4), torch.randn(5, 2, 4), torch.randn(5, 2, 4), lay.doc_lens)
+        reference_varlen_attention(torch.randn(5, 2, 4), torch.randn(5, 2, 4), torch.randn(5, 2, 4), lay.local_lens)
+    with pytest.raises(ValueError, match="layout holds 7"):
+        lay.attention(torch.randn(5, 2, 4), torch.randn(5, 2, 4), torch.randn(5, 2, 4))
 
 
 def _hdp_fsdp(rank, world):
@@ -148,11 +142,9 @@ def _hdp_fsdp(rank, world):
     from torch.distributed.fsdp import fully_shard
 
     from bytescale import HybridDataParallel
-    from bytescale.planner import hdp_plan_fn
-    from bytescale.ring import RingLayout
 
-    loader = HDPLoader(_dataset(), hdp_plan_fn(world, CAPACITY), TOKENS_PER_BATCH, seed=5,
-                       layout_factory=RingLayout.from_spec, max_steps=STEPS, pad_micro_batches=True)
+    loader = HDPLoader(_dataset(), PlannerConfig(CAPACITY),
+                       LoaderConfig(TOKENS_PER_BATCH, seed=5, max_steps=STEPS, lockstep=True))
     net = _model(torch.float64)
     mesh = init_device_mesh("cpu", (world,))
     for layer in net.layers:
@@ -165,8 +157,8 @@ def _hdp_fsdp(rank, world):
         mbs = step.micro_batches
         counts.append(sum(1 for m in mbs if m.num_tokens))
         for i, mb in enumerate(mbs):
-            with model.micro_batch(mb.layout, last=(i == len(mbs) - 1)):
-                logits = model(mb.input_ids, mb.position_ids)
+            with model.micro_batch(mb, last=(i == len(mbs) - 1)):
+                logits = model(mb.input_ids, mb.position_ids, layout=mb.layout)
                 token_level_loss(logits, mb.labels, step.global_loss_tokens).backward()
         model.finish_step()
         opt.step()

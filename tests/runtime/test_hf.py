@@ -10,8 +10,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import bytescale.hf  # noqa: E402,F401  (registers the implementation)
-from bytescale.microbatch import LocalLayout, micro_batch_context  # noqa: E402
+import bytescale.models.hf  # noqa: E402,F401  (registers the implementation)
+from bytescale.attention import Layout, micro_batch_context  # noqa: E402
 
 
 def _config(impl):
@@ -49,7 +49,7 @@ def test_packed_documents_match_eager_per_document():
     docs = [torch.randint(0, 101, (n,)) for n in lens]
     ids = torch.cat(docs)[None]
     pos = torch.cat([torch.arange(n) for n in lens])[None]
-    with micro_batch_context(LocalLayout(lens)):
+    with micro_batch_context(Layout.local(lens)):
         packed = a(input_ids=ids, position_ids=pos).logits[0]
     ref = torch.cat([b(input_ids=d[None]).logits[0] for d in docs])
     torch.testing.assert_close(packed, ref, rtol=1e-5, atol=1e-6)

@@ -8,7 +8,7 @@ from torch.utils.checkpoint import checkpoint
 
 import bytescale
 from bytescale import _C
-from bytescale.microbatch import LocalLayout, micro_batch_context
+from bytescale.attention import Layout
 from bytescale.models import Llama, LlamaConfig
 
 CFG = LlamaConfig(vocab_size=97, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96)
@@ -22,10 +22,10 @@ def _grads(ratio, use_checkpoint=False, engine=None):
     pos = torch.cat([torch.arange(120), torch.arange(180)])
     if use_checkpoint:
         for layer in model.layers:
-            layer.forward = (lambda f: (lambda x, p: checkpoint(f, x, p, use_reentrant=False)))(layer.forward)
+            layer.forward = (lambda f: (lambda x, p, lay=None: checkpoint(f, x, p, lay, use_reentrant=False)))(layer.forward)
     ctx = bytescale.offload(ratio, seq_len=T, min_bytes=1024, engine=engine)
-    with micro_batch_context(LocalLayout([120, 180])), ctx:
-        logits = model(ids, pos)
+    with ctx:
+        logits = model(ids, pos, layout=Layout.local([120, 180]))
         logits.square().mean().backward()
     return [p.grad.clone() for p in model.parameters()], ctx.stats
 
