@@ -38,12 +38,13 @@ def init_distributed(device: str) -> bool:
 
     if dist.is_initialized():
         return False
-    if "RANK" not in os.environ:  # plain `python -m bytescale.train`: a world of one
+    if "RANK" not in os.environ or os.environ.get("BYTESCALE_TRAIN_SOLO") == "1":
+        # plain `python -m bytescale.train`: a world of one (a fresh port for every run)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
+                          MASTER_PORT=str(port), BYTESCALE_TRAIN_SOLO="1")
     timeout = datetime.timedelta(seconds=int(os.environ.get("BYTESCALE_TRAIN_TIMEOUT_S", "600")))
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", 0))
