@@ -157,7 +157,21 @@ class MoEBlock(nn.Module):
 
 def default_attention(q, k, v, scale, layout=None):
     """bytescale's attention under ``layout`` (or the current micro-batch's)."""
-    return attention(q, k, v, layout=layout, softmax_scale=scale)
+    return autocast_safe_attention(q, k, v, layout=layout, softmax_scale=scale)
+
+
+def autocast_safe_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
+    """:func:`bytescale.attention.attention` with autocast off and k/v in q's dtype.
+
+    Under ``torch.autocast`` the attention ops' internal matmuls would be re-cast op by op and mix
+    bf16 inputs with their fp32 accumulators; the ops choose their own precision (fp32
+    accumulation for bf16 inputs), so they run outside autocast on the dtype they are given.
+    """
+    dev = q.device.type
+    if torch.is_autocast_enabled(dev):
+        with torch.autocast(dev, enabled=False):
+            return attention(q, k.to(q.dtype), v.to(q.dtype), **kw)
+    return attention(q, k, v, **kw)
 
 
 class Llama(nn.Module):

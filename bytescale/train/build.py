@@ -209,10 +209,13 @@ def parallelize(model: nn.Module, info: ModelInfo, cfg: TrainConfig, device: tor
         if info.kind == "llama":
             model.activation_checkpointing = True
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if run.compile:
         for b in blocks(model, info):
-            b.compile(backend=run.compile_backend)
+            b.compile(backend=run.compile_backend, dynamic=True)  # token counts change every micro-batch
     if cfg.hdp.fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard

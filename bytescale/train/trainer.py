@@ -264,8 +264,21 @@ class Trainer:
             logits, aux = self.model(ids, pos, layout=mb.layout, global_tokens=step.global_tokens,
                                      return_aux=True)
             return logits, aux
+        if ids.numel() == 0:  # see _padding_layout
+            out = self.model(input_ids=ids.new_zeros(1, 1), position_ids=pos.new_zeros(1, 1), use_cache=False)
+            return out.logits[0, :0] + out.logits.sum() * 0, None
         out = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False)
         return out.logits[0], None
+
+    def _padding_layout(self, mb):
+        """A lockstep padding slot (FSDP2) for an HF model: HF cannot run zero tokens, so one dummy
+        token under its own one-token layout (forward and backward, recomputation included) whose
+        logits count times 0 keeps every parameter in the graph."""
+        if mb.num_tokens or self.info.kind == "llama":
+            return contextlib.nullcontext()
+        from ..attention import Layout, micro_batch_context
+
+        return micro_batch_context(Layout.local([1]))
 
     def train_step(self, step) -> Dict[str, float]:
         from ..runtime import token_level_loss
@@ -275,7 +288,7 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64)
         aux_sum = torch.zeros((), dtype=torch.float64)
         for i, mb in enumerate(mbs):
-            with self.model.micro_batch(mb, last=i == len(mbs) - 1):
+            with self.model.micro_batch(mb, last=i == len(mbs) - 1), self._padding_layout(mb):
                 with self.autocast:
                     logits, aux = self._forward(mb, step)
                     loss = token_level_loss(logits, mb.labels.to(self.device), step.global_loss_tokens)
