@@ -5,7 +5,7 @@
 #include "attention/zigzag.h"
 
 #ifdef BYTESCALE_WITH_CUDA
-#include "cuda/attention_kernels.h"
+#include "cuda/attention/kernels.h"
 #endif
 
 namespace bytescale {

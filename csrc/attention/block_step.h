@@ -2,7 +2,7 @@
 // running accumulators, backward added into gradient accumulators. Chooses the kernel:
 //   - CUDA, bf16/fp16, head dim % 8 == 0 and <= 256, sm80+: flash attention (ATen's varlen op) over
 //     the step's segment plan (block_plan.h), with bytescale's CUDA gather / scatter-add / LSE-merge
-//     kernels around it (csrc/cuda/attention_kernels.cu);
+//     kernels around it (csrc/cuda/attention/kernels.cu);
 //   - otherwise (CPU, fp32/fp64, odd head dims): the tiled block kernel (block_attention.h).
 // BYTESCALE_ATTENTION_KERNEL=tiled forces the tiled kernel everywhere (tests, comparisons).
 #pragma once

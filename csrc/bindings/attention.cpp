@@ -8,7 +8,7 @@
 #include "bindings/bindings.h"
 
 #ifdef BYTESCALE_WITH_CUDA
-#include "cuda/attention_kernels.h"
+#include "cuda/attention/kernels.h"
 #endif
 
 namespace bytescale {

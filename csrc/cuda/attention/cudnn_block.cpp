@@ -18,7 +18,7 @@
 #include <cstring>
 #include <vector>
 
-#include "cuda/attention_kernels.h"
+#include "cuda/attention/kernels.h"
 
 namespace bytescale {
 namespace cuda {

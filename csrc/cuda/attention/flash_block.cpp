@@ -20,7 +20,7 @@
 #include <cstring>
 #include <limits>
 
-#include "cuda/attention_kernels.h"
+#include "cuda/attention/kernels.h"
 
 namespace bytescale {
 namespace cuda {

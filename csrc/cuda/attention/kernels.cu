@@ -1,7 +1,7 @@
-// Row gather / scatter-add through segment tables and the log-sum-exp merge (attention_kernels.h).
+// Row gather / scatter-add through segment tables and the log-sum-exp merge (kernels.h).
 // All three are memory-bound: each moves every byte once, in 16-byte vectors where the rows allow
 // (gather) or with consecutive lanes on consecutive elements (merge, scatter-add).
-#include "cuda/attention_kernels.h"
+#include "cuda/attention/kernels.h"
 
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>

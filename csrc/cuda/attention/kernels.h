@@ -1,5 +1,5 @@
-// CUDA kernels on ring attention's hot path (csrc/cuda/attention_kernels.cu), plus the per-step
-// flash-attention driver built on them (csrc/cuda/flash_block.cpp).
+// CUDA kernels on ring attention's hot path (kernels.cu), plus the per-step
+// flash-attention driver built on them (flash_block.cpp).
 //
 // Row maps. A "row table" is an int32 tensor on the device of shape (nseg, 3), one row per
 // segment: (packed_start, big_start, length), sorted by packed_start, packed segments back to
