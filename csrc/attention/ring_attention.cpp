@@ -148,7 +148,7 @@ std::tuple<at::Tensor, at::Tensor> ringFwd(const at::Tensor& q, const at::Tensor
   auto lens = checkedLens(doc_lens, "ring attention");
   Ring ring = makeRing(ranks, q, "ring attention");
   const double sc = resolveScale(scale, q);
-  const int64_t mine = shardTokens(lens, ring.n, ring.me);
+  const int64_t mine = zigzag::shard_tokens(lens, ring.n, ring.me);
   TORCH_CHECK(mine == q.size(0) && k.size(0) == q.size(0), "bytescale ", ring.what,
               ": ring position ", ring.me, " of ", ring.n, " holds ", mine,
               " tokens of documents ", doc_lens, " but q has ", q.size(0), " and k ", k.size(0));
@@ -166,7 +166,7 @@ std::tuple<at::Tensor, at::Tensor> ringFwd(const at::Tensor& q, const at::Tensor
     at::Tensor buf;
     int64_t nsrc = mod(ring.me - s - 1, ring.n);
     if (s + 1 < ring.n) {
-      buf = at::empty({2 * shardTokens(lens, ring.n, nsrc), k.size(1), k.size(2)}, k.options());
+      buf = at::empty({2 * zigzag::shard_tokens(lens, ring.n, nsrc), k.size(1), k.size(2)}, k.options());
       pending = ring.tr->ringStep(cur, next, buf, prev, ring.what);
     }
     const int64_t t = cur.size(0) / 2;
@@ -209,7 +209,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ringBwd(
   at::Tensor acc_send, acc_recv;
   for (int64_t s = 0; s < ring.n; ++s) {
     const int64_t nsrc = mod(ring.me - s - 1, ring.n);
-    const int64_t nt = shardTokens(lens, ring.n, nsrc);
+    const int64_t nt = zigzag::shard_tokens(lens, ring.n, nsrc);
     std::unique_ptr<comm::PendingExchange> pending_kv;
     at::Tensor kv_buf;
     if (s + 1 < ring.n) {
@@ -255,7 +255,7 @@ std::vector<int64_t> shardOffsets(const std::vector<int64_t>& lens, int64_t n, c
                                   const char* what) {
   TORCH_CHECK(n >= 1, "bytescale ", what, ": ring size must be >= 1, got ", n);
   std::vector<int64_t> offs(n + 1, 0);
-  for (int64_t i = 0; i < n; ++i) offs[i + 1] = offs[i] + shardTokens(lens, n, i);
+  for (int64_t i = 0; i < n; ++i) offs[i + 1] = offs[i] + zigzag::shard_tokens(lens, n, i);
   TORCH_CHECK(offs.back() == q.size(0), "bytescale ", what, ": document lengths sum to ",
               offs.back(), " but q has ", q.size(0), " tokens");
   return offs;
@@ -315,6 +315,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> virtualRingBwd(
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
 }
 
+// merge_lse_ on the CPU: out (T, H, D) and lse (H, T) in fp32/fp64, out_b (T, H, D), lse_b (H, T).
+void mergeLseCpu(at::Tensor& out, at::Tensor& lse, const at::Tensor& out_b, const at::Tensor& lse_b) {
+  TORCH_CHECK(out.dim() == 3 && out_b.sizes() == out.sizes() && lse.dim() == 2 &&
+                  lse.size(0) == out.size(1) && lse.size(1) == out.size(0) &&
+                  lse_b.sizes() == lse.sizes(),
+              "bytescale merge_lse_: out (T, H, D) ", out.sizes(), ", lse (H, T) ", lse.sizes(),
+              ", out_b ", out_b.sizes(), ", lse_b ", lse_b.sizes(), " do not match");
+  TORCH_CHECK(at::isFloatingType(out.scalar_type()) && lse.scalar_type() == out.scalar_type(),
+              "bytescale merge_lse_: out and lse must share a floating dtype, got ",
+              out.scalar_type(), " and ", lse.scalar_type());
+  const at::Tensor valid = at::isfinite(lse_b);
+  at::Tensor lb = at::where(valid, lse_b.to(lse.scalar_type()),
+                            at::full({}, -std::numeric_limits<double>::infinity(), lse.options()));
+  at::Tensor o = out.clone(), l = lse.clone();
+  mergeInto(o, l, out_b.to(out.scalar_type()), lb);
+  out.copy_(at::where(valid.transpose(0, 1).unsqueeze(-1), o, out));
+  lse.copy_(at::where(valid, l, lse));
+}
+
 TORCH_LIBRARY(bytescale, m) {
   m.def("varlen_attn_fwd(Tensor q, Tensor k, Tensor v, int[] doc_lens, bool causal, float scale)"
         " -> (Tensor, Tensor)");
@@ -329,7 +348,13 @@ TORCH_LIBRARY(bytescale, m) {
         "float scale) -> (Tensor, Tensor)");
   m.def("virtual_ring_attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "int[] doc_lens, int n, bool causal, float scale) -> (Tensor, Tensor, Tensor)");
+  // In-place log-sum-exp merge of one block's (out_b, lse_b) into running (out, lse); rows whose
+  // lse_b is not finite (the block gave them nothing) stay unchanged. Kernels: CPU below, CUDA
+  // from the CUDA plug-in (csrc/cuda/attention/).
+  m.def("merge_lse_(Tensor(a!) out, Tensor(b!) lse, Tensor out_b, Tensor lse_b) -> ()");
 }
+
+TORCH_LIBRARY_IMPL(bytescale, CPU, m) { m.impl("merge_lse_", &mergeLseCpu); }
 
 TORCH_LIBRARY_IMPL(bytescale, CompositeExplicitAutograd, m) {
   m.impl("varlen_attn_fwd", &varlenFwd);
