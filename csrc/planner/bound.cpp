@@ -86,6 +86,7 @@ BoundParts lowerBound(const std::vector<int64_t>& lengths, const PlanOptions& op
     speed_max = std::max(speed_max, v);
   }
   double work = 0, piece = 0;
+  std::vector<std::pair<int, double>> big;  // (memory minimum, best time) of wide sequences
   for (int64_t s : lengths) {
     const double sd = static_cast<double>(s);
     int dmin = 1;
@@ -93,15 +94,37 @@ BoundParts lowerBound(const std::vector<int64_t>& lengths, const PlanOptions& op
       dmin = opt.offload ? solveOffload(cm, s, cap_max).ranks : ranksWithoutOffload(cm, s, cap_max);
     dmin = std::min(dmin, W);
     work += dmin * cm.shardedTime(sd, dmin);
+    const bool wide = 17LL * dmin > W;
     // Only the longest sequences can set the piece; their best ring size costs O(log W).
     const double piece_ub = cm.shardedTime(sd, dmin) / speed_max;
-    if (piece_ub <= piece) continue;
+    if (piece_ub <= piece && !wide) continue;
     const RingShape sh = ringShape(cm, sd, dmin, W);
-    piece = std::max(piece, cm.shardedTime(sd, sh.best) / speed_max);
+    const double best = cm.shardedTime(sd, sh.best) / speed_max;
+    piece = std::max(piece, best);
+    if (wide) big.emplace_back(dmin, best);
+  }
+  // waves: S = the widest sequences (a prefix by memory minimum, widest first). At any instant
+  // the running ones fit the world, so at most c(S) of them run at once, c(S) being the most of
+  // S's narrowest whose widths still sum to <= W.
+  double waves = 0;
+  std::stable_sort(big.begin(), big.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<double> times;  // best times of S, ascending
+  for (size_t k = 0; k < big.size(); ++k) {
+    times.insert(std::upper_bound(times.begin(), times.end(), big[k].second), big[k].second);
+    int64_t c = 0, used = 0;
+    for (size_t j = k + 1; j-- > 0 && used + big[j].first <= W;) {
+      used += big[j].first;
+      ++c;
+    }
+    const int64_t q = (static_cast<int64_t>(times.size()) + c - 1) / c;
+    double sum = 0;
+    for (int64_t j = 0; j < q; ++j) sum += times[j];
+    waves = std::max(waves, sum);
   }
   BoundParts b;
   b.work = W > 0 && speed_sum > 0 ? work / speed_sum : 0;
   b.piece = piece;
+  b.waves = waves;
   return b;
 }
 

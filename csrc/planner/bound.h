@@ -33,15 +33,26 @@ RingShape ringShape(const CostModel& m, double s, int lo, int hi);
 int minRanksWithin(const CostModel& m, double s, const RingShape& shape, double budget);
 
 // The bound no assignment can beat under the cost model and the replay's model of a step:
-//   max(total work / total speed, largest indivisible piece)
-// where a sequence's work is d * T(d) at the fewest ranks its memory allows (d * T(d) only grows
-// with d) and its piece is T at its best ring size, communication included, on the fastest rank.
+//   max(work, piece, waves)
+//   work:  total work / total speed, a sequence's work being d * T(d) at the fewest ranks its
+//          memory allows (d * T(d) only grows with d);
+//   piece: the largest indivisible piece, a sequence at its best ring size (communication
+//          included) on the fastest rank;
+//   waves: of a set S of wide sequences (each needing more than W / 17 ranks for memory), at
+//          most c run at once, c being the most of S's narrowest whose memory minima sum to <= W;
+//          their intervals form an interval graph of clique number <= c, hence c chains, one of
+//          which holds ceil(|S| / c) of them: the step is at least the sum of the ceil(|S| / c)
+//          smallest best times in S (checked for every S made of the k widest, k = 1, 2, ...).
 // Memory minima use the largest per-rank capacity (and Eq. 3 when offloading is on). Inputs must
 // have been validated (makePlan does so).
 struct BoundParts {
-  double work = 0;   // total work / total speed
-  double piece = 0;  // largest indivisible piece
-  double value() const { return work > piece ? work : piece; }
+  double work = 0;
+  double piece = 0;
+  double waves = 0;
+  double value() const {
+    const double a = work > piece ? work : piece;
+    return a > waves ? a : waves;
+  }
 };
 BoundParts lowerBound(const std::vector<int64_t>& lengths, const PlanOptions& opt);
 

@@ -181,7 +181,8 @@ void Plan::verify(const std::vector<int64_t>& lengths, const PlanOptions& opt) c
   }
   if (!close(max_busy, mx) || !close(mean_cost, W ? sum / W : 0)) fail("busy statistics");
   if (makespan + 1e-12 < max_busy * (1 - 1e-9)) fail("makespan below the busiest rank's sum");
-  if (!close(lower_bound, std::max(bound_work, bound_piece))) fail("lower bound parts");
+  if (!close(lower_bound, std::max({bound_work, bound_piece, bound_waves})))
+    fail("lower bound parts");
 }
 
 // ---- serialisation -----------------------------------------------------------------------------
@@ -189,7 +190,7 @@ void Plan::verify(const std::vector<int64_t>& lengths, const PlanOptions& opt) c
 namespace {
 constexpr char kMagic[4] = {'B', 'S', 'P', 'L'};
 // Version 2: a ring's group stored once (ring_grp) instead of per micro-batch (mb_grp);
-// rank_finish, rank_idle, max_busy and the bound's parts; makespan is the replayed (synchronised)
+// rank_finish, rank_idle, max_busy and the bound's three parts; makespan is the replayed (synchronised)
 // step time and local micro-batches may sit between ring ones.
 constexpr uint32_t kVersion = 2;
 
@@ -262,6 +263,7 @@ std::vector<uint8_t> Plan::serialize() const {
   w.pod<double>(lower_bound);
   w.pod<double>(bound_work);
   w.pod<double>(bound_piece);
+  w.pod<double>(bound_waves);
   return w.out;
 }
 
@@ -303,6 +305,7 @@ Plan Plan::deserialize(const uint8_t* data, size_t size) {
   p.lower_bound = r.pod<double>();
   p.bound_work = r.pod<double>();
   p.bound_piece = r.pod<double>();
+  p.bound_waves = r.pod<double>();
   if (r.i != size) throw std::invalid_argument("plan bytes: trailing data");
   p.checkStructure();
   return p;

@@ -76,9 +76,10 @@ struct Plan {
   double max_busy = 0;              // max of rank_cost (the step if ranks never waited)
   double mean_cost = 0;             // mean of rank_cost
   double imbalance = 1;             // makespan / mean_cost
-  double lower_bound = 0;           // max(bound_work, bound_piece): no plan can beat it
+  double lower_bound = 0;           // max of the parts below: no plan can beat it (bound.h)
   double bound_work = 0;            // total work / total speed
   double bound_piece = 0;           // largest indivisible piece (best ring size, comm included)
+  double bound_waves = 0;           // wide rings that cannot all run at once
   int64_t num_sequences = 0;
 
   int64_t numMicroBatches() const { return static_cast<int64_t>(mb_tokens.size()); }

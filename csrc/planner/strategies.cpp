@@ -333,6 +333,7 @@ Plan Builder::finish(const BoundParts& bound) {
   p.imbalance = p.mean_cost > 0 ? p.makespan / p.mean_cost : 1.0;
   p.bound_work = bound.work;
   p.bound_piece = bound.piece;
+  p.bound_waves = bound.waves;
   p.lower_bound = bound.value();
   return p;
 }

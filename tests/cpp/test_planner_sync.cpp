@@ -100,6 +100,35 @@ TEST(LowerBound, PartsAndValidity) {
   EXPECT_DOUBLE_EQ(h.piece, short_piece / 2);
 }
 
+TEST(LowerBound, WideRingsComeInWaves) {
+  // Five sequences that each need 8 of 16 ranks: at most two run at a time, so some rank runs
+  // three of them one after another, each at least its best time.
+  PlanOptions o;
+  o.world_size = 16;
+  o.capacity = 100;
+  std::vector<int64_t> lens(5, 800);
+  BoundParts b = lowerBound(lens, o);
+  const double t = o.cost.shardedTime(800, ringShape(o.cost, 800, 8, 16).best);
+  EXPECT_DOUBLE_EQ(b.waves, 3 * t);
+  EXPECT_GE(b.value(), b.work);
+  for (Strategy st : {Strategy::kBalanced, Strategy::kPow2, Strategy::kNaive}) {
+    o.strategy = st;
+    Plan p = makePlan(lens, o);
+    EXPECT_GE(p.makespan, 3 * t * (1 - 1e-12)) << strategyName(st);
+    EXPECT_DOUBLE_EQ(p.bound_waves, 3 * t);
+  }
+  // Mixed widths: 3 x 8 ranks + 1 x 6 ranks cannot run together on 28 ranks (30 > 28), so two
+  // of the four run one after the other.
+  o.world_size = 28;
+  o.strategy = Strategy::kBalanced;
+  std::vector<int64_t> mixed = {800, 800, 800, 600};
+  BoundParts m = lowerBound(mixed, o);
+  const double t6 = o.cost.shardedTime(600, ringShape(o.cost, 600, 6, 28).best);
+  const double t8 = o.cost.shardedTime(800, ringShape(o.cost, 800, 8, 28).best);
+  EXPECT_DOUBLE_EQ(m.waves, t6 + t8);
+  EXPECT_GE(makePlan(mixed, o).makespan, (t6 + t8) * (1 - 1e-12));
+}
+
 TEST(Balanced, SyncStepNeverWorseThanPow2OnRandomBatches) {
   // Random worlds (1-64 ranks), capacities, cost models, heterogeneous speed and memory, heavy-
   // tailed batches. balanced keeps the pow2 plan when that replays shorter (a safety net), so
