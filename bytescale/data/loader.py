@@ -34,7 +34,7 @@ from ..planner.types import MicroBatchPlan
 from .dataset import TokenDataset
 from .types import IGNORE_INDEX, MicroBatch, Step
 
-__all__ = ["GlobalBatchSampler", "HDPLoader", "materialize", "lockstep_schedule"]
+__all__ = ["GlobalBatchSampler", "HDPLoader", "materialize"]
 
 
 def materialize(dataset: TokenDataset, plan: MicroBatchPlan, bf16_grad_comm: bool = False) -> MicroBatch:
@@ -61,67 +61,6 @@ def materialize(dataset: TokenDataset, plan: MicroBatchPlan, bf16_grad_comm: boo
         empty = torch.empty(0, dtype=torch.long)
         tensors = (empty, empty.clone(), empty.clone())
     return MicroBatch(*tensors, plan=plan, layout=plan.layout(bf16_grad_comm))
-
-
-def lockstep_schedule(per_rank: Sequence[Sequence[MicroBatchPlan]]) -> List[List[MicroBatchPlan]]:
-    """Align every rank's micro-batches into slots run in lockstep (for FSDP2-style training).
-
-    With sharded parameters every rank joins a collective in every forward/backward, so all ranks
-    must run micro-batch k together, and the members of a ring must meet in the same slot. Rings
-    keep their relative order on every member (the plan's contract) and are placed in the earliest
-    slot where all members are free; local micro-batches fill the remaining slots in order; every
-    rank is padded with empty micro-batches to the same number of slots. Pure function of the plan:
-    every rank computes the same schedule. Returned plans are re-indexed by slot.
-    """
-    world = len(per_rank)
-    ring_lists = [[mb for mb in specs if mb.is_ring] for specs in per_rank]
-    heads = [0] * world
-    next_free = [0] * world
-    slots: List[dict] = [dict() for _ in range(world)]
-    remaining = sum(len(r) for r in ring_lists)
-
-    def key(mb: MicroBatchPlan):
-        return (mb.ring, mb.ring_id)
-
-    while remaining:
-        progressed = False
-        for r in range(world):
-            if heads[r] >= len(ring_lists[r]):
-                continue
-            k = key(ring_lists[r][heads[r]])
-            members = k[0]
-            if all(heads[m] < len(ring_lists[m]) and key(ring_lists[m][heads[m]]) == k for m in members):
-                slot = max(next_free[m] for m in members)
-                for m in members:
-                    slots[m][slot] = ring_lists[m][heads[m]]
-                    next_free[m] = slot + 1
-                    heads[m] += 1
-                remaining -= len(members)
-                progressed = True
-        if not progressed:
-            raise RuntimeError("lockstep_schedule: ring micro-batches are not in one consistent order "
-                               "across their members; the plan violates its ordering contract")
-    for r in range(world):
-        k = 0
-        for mb in (m for m in per_rank[r] if not m.is_ring):
-            while k in slots[r]:
-                k += 1
-            slots[r][k] = mb
-    total = max((max(sl) + 1 for sl in slots if sl), default=0)
-    out = []
-    for r in range(world):
-        row = []
-        for k in range(total):
-            mb = slots[r].get(k)
-            row.append(MicroBatchPlan(r, k) if mb is None else _reindex(mb, k))
-        out.append(row)
-    return out
-
-
-def _reindex(mb: MicroBatchPlan, index: int) -> MicroBatchPlan:
-    from dataclasses import replace
-
-    return mb if mb.index == index else replace(mb, index=index)
 
 
 class GlobalBatchSampler:
@@ -243,9 +182,8 @@ class HDPLoader:
     def _build(self, step_index: int, sample_ids: List[int]) -> Step:
         lengths = [self.dataset.length(s) for s in sample_ids]
         plan = self.planner.plan(lengths, self.world_size)
-        if self.config.lockstep:
-            per_rank = [plan.micro_batches(r, sample_ids) for r in range(self.world_size)]
-            mine = lockstep_schedule(per_rank)[self.rank]
+        if self.config.lockstep:  # FSDP2: the plan's lockstep slots (C++, csrc/planner/replay.h)
+            mine = plan.lockstep_micro_batches(self.rank, sample_ids)
         else:
             mine = plan.micro_batches(self.rank, sample_ids)
         bf16 = self.runtime.bf16_grad_comm

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
@@ -159,6 +159,15 @@ class Plan:
         plan's flat micro-batch arrays), -1 for an empty padding slot. Ring members meet in the
         same slot; rings keep the plan's order, locals fill the remaining slots in order."""
         return _C.planner.lockstep(self._p)
+
+    def lockstep_micro_batches(self, rank: int, sample_ids: Optional[Sequence[int]] = None) -> List[MicroBatchPlan]:
+        """Rank ``rank``'s micro-batches by lockstep slot (:meth:`lockstep`): an empty
+        :class:`MicroBatchPlan` for a padding slot; ``index`` is the slot."""
+        slots = self.lockstep()
+        mine = self.micro_batches(rank, sample_ids)
+        base = int(self._p.rank_mb[rank])
+        return [MicroBatchPlan(rank, k) if m < 0 else replace(mine[int(m) - base], index=k)
+                for k, m in enumerate(slots[rank].tolist())]
 
     def num_micro_batches(self, rank: Optional[int] = None) -> Union[int, np.ndarray]:
         counts = np.diff(self._p.rank_mb)
