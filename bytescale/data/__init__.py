@@ -1,11 +1,26 @@
-"""Data: synthetic corpora, token datasets and the plan-driven HDP loader."""
+"""Data: token stores and corpora, the data service, synthetic corpora and the plan-driven HDP loader.
+
+The data path: ``python -m bytescale.data.prepare`` (:mod:`.prepare`) turns raw corpora into a
+:class:`TokenStore`; a :class:`MixingSpec` declares sources, weights, filters and curriculum; a
+:class:`DataService` (local processes or Ray actors) publishes global-batch metadata and serves
+each rank only its token ranges through a :class:`BatchSource` client (:mod:`.source`).
+"""
 from .dataset import InMemoryTokens, SyntheticTokens, TokenDataset
 from .loader import (GlobalBatchSampler, HDPLoader, MicroBatch, MicroBatchSpec, SequenceSpec, Step,
                      lockstep_schedule, materialize)
+from .mixing import CurriculumStage, MixingSampler, MixingSpec, SourceSpec
+from .service import DataService, ServiceClient, connect, open_batch_source
+from .source import BatchSource, DatasetSource, GlobalBatch
 from .synthetic import corpus_stats, global_batch_lengths, sample_lengths
+from .token_store import TokenStore, TokenStoreWriter
+from .tokenizer import ByteTokenizer, load_tokenizer
 
 __all__ = [
     "InMemoryTokens", "SyntheticTokens", "TokenDataset", "GlobalBatchSampler", "HDPLoader",
     "MicroBatch", "MicroBatchSpec", "SequenceSpec", "Step", "lockstep_schedule", "materialize", "corpus_stats",
     "global_batch_lengths", "sample_lengths",
+    "TokenStore", "TokenStoreWriter", "ByteTokenizer", "load_tokenizer",
+    "GlobalBatch", "BatchSource", "DatasetSource",
+    "MixingSpec", "SourceSpec", "CurriculumStage", "MixingSampler",
+    "DataService", "ServiceClient", "connect", "open_batch_source",
 ]
