@@ -79,6 +79,7 @@ def _worker_main(conn, corpora, toks, dtypes, shm_dir: str, uid: str, role: Opti
             if msg[0] != "activate":
                 return
             role = msg[1]
+        logged = set()
         while True:
             msg = conn.recv()
             if msg[0] == "stop":
@@ -88,7 +89,9 @@ def _worker_main(conn, corpora, toks, dtypes, shm_dir: str, uid: str, role: Opti
             for p, lid in items:
                 rec = corpora[s].record(lid)
                 if rec.error is not None:
-                    log.warning("data service: skipped %s: %s", rec.origin, rec.error)
+                    if (s, lid) not in logged:  # once per document, not once per epoch
+                        logged.add((s, lid))
+                        log.warning("data service: skipped %s: %s", rec.origin, rec.error)
                     out.append((p, lid, -1, 0))
                     continue
                 ids = toks[s].encode(rec.text)

@@ -62,6 +62,8 @@ class SourceSpec:
     workers: Optional[int] = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "text", (self.text,) if isinstance(self.text, str) else tuple(self.text))
+        object.__setattr__(self, "weight", float(self.weight))
         kinds = [self.store is not None, bool(self.text), self.python_packages is not None]
         if sum(kinds) != 1:
             raise ValueError(f"source {self.name!r}: give exactly one of store, text, python_packages")
@@ -253,7 +255,7 @@ class MixingSampler:
             if n <= 0 or not self.spec.sources[s].accepts(n):
                 pos[s] += 1
                 rejected[s] += 1
-                if rejected[s] > self.counts[s]:
+                if rejected[s] >= 2 * self.counts[s]:  # such a run of positions spans a whole epoch
                     raise RuntimeError(f"MixingSampler: source {self.spec.sources[s].name!r}: no document in a "
                                        "whole epoch passes its length filter or is well formed")
                 continue

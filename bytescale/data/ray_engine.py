@@ -48,6 +48,7 @@ class _SourceWorker:
         objs, _, toks, dtypes = open_sources(one)
         self.corpus, self.tok, self.dtype = objs[0], toks[0], dtypes[0]
         self.chunks: Dict[str, np.ndarray] = {}
+        self.logged: set = set()
         self.n = 0
 
     def count(self) -> int:
@@ -60,7 +61,9 @@ class _SourceWorker:
         for p, lid in items:
             rec = self.corpus.record(lid)
             if rec.error is not None:
-                logging.getLogger("bytescale.data.service").warning("data service: skipped %s: %s", rec.origin, rec.error)
+                if lid not in self.logged:  # once per document, not once per epoch
+                    self.logged.add(lid)
+                    logging.getLogger("bytescale.data.service").warning("data service: skipped %s: %s", rec.origin, rec.error)
                 out.append((p, lid, -1, 0))
                 continue
             ids = np.asarray(self.tok.encode(rec.text), dtype=self.dtype)

@@ -53,7 +53,7 @@ def run_forked(fns: List[Callable], args: List[tuple], timeout: float = 60.0) ->
     procs, conns = [], []
     for fn, a in zip(fns, args):
         r, w = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, args=(w, fn, a), daemon=True)
+        p = ctx.Process(target=_child, args=(w, fn, a))  # not daemonic: it may start a service
         p.start()
         w.close()
         procs.append(p)
