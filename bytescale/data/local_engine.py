@@ -6,7 +6,7 @@ Processes (all forked, none imports anything new):
   (clients), pipes to its workers and a pipe to the process that started the service (it exits
   when that process goes away). It owns the :class:`~bytescale.data.book.BatchBook`.
 * **source workers** (``workers`` per raw-text source) tokenize the documents the book asks for
-  (``lid % workers`` picks the worker) into chunk files in a private tmpfs directory
+  (a few per request, to the least busy worker) into chunk files in a private tmpfs directory
   (``/dev/shm``: shared memory), and report lengths and offsets. Token-store sources need no
   worker: clients map the store's ``.bin`` themselves (the page cache is the shared memory).
 * **standby** workers idle until a worker dies; then one takes over its role, the coordinator
@@ -35,6 +35,7 @@ from .mixing import MixingSpec, spec_fingerprint
 from .token_store import TokenStore, dtype_for_vocab
 
 log = logging.getLogger("bytescale.data.service")
+REQUEST_DOCS = 2  # documents per tokenize request
 
 
 def open_sources(spec: MixingSpec) -> Tuple[List[Any], List[Optional[np.ndarray]], List[Any], List[str]]:
@@ -157,13 +158,16 @@ class _Coordinator:
         return p, a
 
     def _send_requests(self) -> None:
+        """Small requests (a few documents each, so the first lengths come back early), each to
+        the worker of that source with the fewest documents outstanding."""
         for s, items in self.book.wanted():
-            n = self.nworkers[s]
-            groups: Dict[int, list] = {}
-            for p, lid in items:
-                groups.setdefault(lid % n, []).append((p, lid))
-            for j, its in sorted(groups.items()):
-                self._request((s, j), its)
+            for k in range(0, len(items), REQUEST_DOCS):
+                load = {j: 0 for j in range(self.nworkers[s])}
+                for role, msg in self.outstanding.values():
+                    if role[0] == s:
+                        load[role[1]] += len(msg[3])
+                j = min(load, key=lambda j: (load[j], j))
+                self._request((s, j), items[k:k + REQUEST_DOCS])
 
     def _request(self, role, items) -> int:
         self.req += 1
