@@ -80,19 +80,16 @@ def _worker_main(conn, corpora, toks, dtypes, shm_dir: str, uid: str, role: Opti
             if msg[0] != "activate":
                 return
             role = msg[1]
-        logged = set()
         while True:
             msg = conn.recv()
             if msg[0] == "stop":
                 return
             _, req, s, items = msg
-            out, arrays, off = [], [], 0
+            out, arrays, errors, off = [], [], [], 0
             for p, lid in items:
                 rec = corpora[s].record(lid)
                 if rec.error is not None:
-                    if (s, lid) not in logged:  # once per document, not once per epoch
-                        logged.add((s, lid))
-                        log.warning("data service: skipped %s: %s", rec.origin, rec.error)
+                    errors.append((lid, f"{rec.origin}: {rec.error}"))
                     out.append((p, lid, -1, 0))
                     continue
                 ids = toks[s].encode(rec.text)
@@ -105,7 +102,7 @@ def _worker_main(conn, corpora, toks, dtypes, shm_dir: str, uid: str, role: Opti
                 for a in arrays:
                     f.write(a.tobytes())
             os.replace(tmp, os.path.join(shm_dir, name))
-            conn.send(("done", req, s, name, out))
+            conn.send(("done", req, s, name, out, errors))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return
 
@@ -130,6 +127,7 @@ class _Coordinator:
         self.locates: Dict[int, List[Tuple[Any, int]]] = {}  # req -> [(client conn, sid)]
         self.n_spawned = 0
         self.req = 0
+        self.logged: set = set()
         for s, n in self.nworkers.items():
             for j in range(n):
                 self.workers[(s, j)] = self._fork((s, j))
@@ -262,7 +260,11 @@ class _Coordinator:
             self._send(c, ("error", f"unknown request {kind!r}"))
 
     def _on_worker(self, role, msg) -> None:
-        _, req, s, name, items = msg
+        _, req, s, name, items, errors = msg
+        for lid, what in errors:
+            if (s, lid) not in self.logged:  # once per document, not once per epoch
+                self.logged.add((s, lid))
+                log.warning("data service: skipped %s", what)
         if self.outstanding.pop(req, None) is None:
             return
         self.book.on_tokenized(s, name, items, self.dtypes[s])

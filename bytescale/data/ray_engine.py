@@ -17,6 +17,7 @@ Actors take no CPU reservation (``num_cpus=0``) so a small cluster fits them all
 """
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -48,22 +49,17 @@ class _SourceWorker:
         objs, _, toks, dtypes = open_sources(one)
         self.corpus, self.tok, self.dtype = objs[0], toks[0], dtypes[0]
         self.chunks: Dict[str, np.ndarray] = {}
-        self.logged: set = set()
         self.n = 0
 
     def count(self) -> int:
         return len(self.corpus)
 
     def tokenize(self, prefix: str, items: List[Tuple[int, int]]):
-        import logging
-
-        out, arrays, off = [], [], 0
+        out, arrays, errors, off = [], [], [], 0
         for p, lid in items:
             rec = self.corpus.record(lid)
             if rec.error is not None:
-                if lid not in self.logged:  # once per document, not once per epoch
-                    self.logged.add(lid)
-                    logging.getLogger("bytescale.data.service").warning("data service: skipped %s: %s", rec.origin, rec.error)
+                errors.append((lid, f"{rec.origin}: {rec.error}"))
                 out.append((p, lid, -1, 0))
                 continue
             ids = np.asarray(self.tok.encode(rec.text), dtype=self.dtype)
@@ -73,7 +69,7 @@ class _SourceWorker:
         self.n += 1
         name = f"{prefix}-{uuid.uuid4().hex[:8]}-{self.n}"
         self.chunks[name] = np.concatenate(arrays) if arrays else np.zeros(0, self.dtype)
-        return name, out
+        return name, out, errors
 
     def read(self, chunk: str, a: int, b: int, lid: int, start: int, end: int) -> np.ndarray:
         arr = self.chunks.get(chunk)
@@ -135,6 +131,7 @@ class _Coordinator:
         self.pending: Dict[Any, Tuple[int, int]] = {}  # ref -> (source, worker)
         self.cursors: Dict[str, int] = {}
         self.owner: Dict[str, int] = {}  # chunk -> worker index
+        self.logged: set = set()
 
     def _check(self, state: Dict[str, Any]) -> None:
         if state.get("kind") != "service" or state.get("fingerprint") != self.fingerprint:
@@ -147,13 +144,17 @@ class _Coordinator:
                 "namespace": self.ns}
 
     def _dispatch(self) -> None:
+        """Small requests, each to the source's actor with the fewest requests pending."""
+        from .local_engine import REQUEST_DOCS
+
         for s, items in self.book.wanted():
-            n = len(self.workers[s])
-            groups: Dict[int, list] = {}
-            for p, lid in items:
-                groups.setdefault(lid % n, []).append((p, lid))
-            for j, its in sorted(groups.items()):
-                self.pending[self.workers[s][j].tokenize.remote(f"s{s}w{j}", its)] = (s, j)
+            for k in range(0, len(items), REQUEST_DOCS):
+                load = {j: 0 for j in range(len(self.workers[s]))}
+                for s2, j in self.pending.values():
+                    if s2 == s:
+                        load[j] += 1
+                j = min(load, key=lambda j: (load[j], j))
+                self.pending[self.workers[s][j].tokenize.remote(f"s{s}w{j}", items[k:k + REQUEST_DOCS])] = (s, j)
 
     def _collect(self, wait: bool) -> None:
         if not self.pending:
@@ -162,7 +163,11 @@ class _Coordinator:
                                 timeout=None if wait else 0)
         for ref in done:
             s, j = self.pending.pop(ref)
-            name, items = self.ray.get(ref)
+            name, items, errors = self.ray.get(ref)
+            for lid, what in errors:
+                if (s, lid) not in self.logged:  # once per document, not once per epoch
+                    self.logged.add((s, lid))
+                    logging.getLogger("bytescale.data.service").warning("data service: skipped %s", what)
             self.owner[name] = j
             self.book.on_tokenized(s, name, items, self.book_dtype(s))
 
