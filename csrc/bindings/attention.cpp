@@ -37,6 +37,7 @@ void bind_attention(pybind11::module_& m) {
   m.def("has_cuda_kernels", []() { return !attention::kernelNames(c10::DeviceType::CUDA).empty(); },
         "True when the CUDA plug-in registered its kernels (a CUDA build).");
   m.def("kernel_for", [](const at::Tensor& q, const std::vector<int64_t>& doc_lens, bool causal) {
+          TORCH_CHECK(q.dim() == 3, "kernel_for: q must be (tokens, heads, head_dim), got ", q.sizes());
           return attention::chooseKernel(q, attention::BlockPair{doc_lens, 0, 0, 0, causal}).name();
         }, py::arg("q"), py::arg("doc_lens"), py::arg("causal") = true,
         "The kernel a varlen attention step of q (T, H, D) over these local documents runs on.");

@@ -4,9 +4,6 @@
 // stream waits for the producer's current stream, the H2D stream for the copy out, the consumer's
 // current stream for the copy back. Nothing blocks the host on the hot path; a host buffer returns
 // to the pool once the copy back's event completed (Engine polls hostIdle()).
-// Status: this stream/event scheme ran on one H200 (tests/test_offload.py,
-// benchmarks/bench_offload.py) while it lived inside offload.cpp; since it moved here behind the
-// copy-engine interface it is compile-verified only.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
