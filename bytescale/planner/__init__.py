@@ -104,6 +104,14 @@ class Plan:
         return self._p.lower_bound
 
     @property
+    def bound_parts(self) -> Dict[str, float]:
+        """The lower bound's parts (seconds): ``work`` (total work / total speed), ``piece`` (the
+        longest sequence at its best ring size) and ``waves`` (wide rings that cannot all run at
+        once); ``lower_bound`` is their maximum."""
+        p = self._p
+        return {"work": p.bound_work, "piece": p.bound_piece, "waves": p.bound_waves}
+
+    @property
     def bound_ratio(self) -> float:
         """``makespan / lower_bound`` (1.0 = provably optimal under the cost model)."""
         return self._p.makespan / self._p.lower_bound if self._p.lower_bound > 0 else 1.0
