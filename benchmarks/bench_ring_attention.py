@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import time
 
 import torch
@@ -82,13 +81,16 @@ def ring_fn(q, k, v, s, n, bwd, kernel):
     dout = torch.randn_like(qs)
 
     def f():
-        os.environ["BYTESCALE_ATTENTION_KERNEL"] = kernel
+        import bytescale._C as C
+
+        before = C.attention.kernel_choice()
+        C.attention.set_kernel_choice(kernel)
         try:
             o = virtual_ring_attention(qs, ks, vs, [s], n)
             if bwd:
                 torch.autograd.grad(o, (qs, ks, vs), dout)
         finally:
-            os.environ.pop("BYTESCALE_ATTENTION_KERNEL", None)
+            C.attention.set_kernel_choice(before)
     return f
 
 

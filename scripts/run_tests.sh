@@ -10,6 +10,9 @@ cmake -S . -B build-cpp -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build-cpp
 ctest --test-dir build-cpp --output-on-failure
 
+echo "== C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer =="
+bash scripts/sanitize.sh
+
 echo "== Python tests (pytest) =="
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 python3 -m pytest tests -q "$@"

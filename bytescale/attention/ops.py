@@ -7,12 +7,14 @@ them train and trace under ``torch.compile``. Which tokens a rank holds is descr
 """
 from __future__ import annotations
 
-import threading
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
 from .. import _C  # noqa: F401  (registers the ops)
+
+if TYPE_CHECKING:
+    from ..comm import DynamicGroup
 
 __all__ = ["ring_attention", "varlen_attention", "virtual_ring_attention"]
 
@@ -33,7 +35,7 @@ def _varlen_bwd_fake(dout, q, k, v, out, lse, doc_lens, causal, scale):
 
 
 @torch.library.register_fake("bytescale::ring_attn_fwd")
-def _ring_fwd_fake(q, k, v, doc_lens, ranks, causal, scale):
+def _ring_fwd_fake(q, k, v, doc_lens, ranks, causal, scale, bf16_grad_comm=False):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=acc)
 
@@ -70,16 +72,11 @@ def _varlen_backward(ctx, dout, dlse):
 
 torch.library.register_autograd("bytescale::varlen_attn_fwd", _varlen_backward, setup_context=_varlen_setup)
 
-# bf16 dK/dV traffic is an argument of ring_attention(); the forward op's schema does not carry it,
-# so the call records it here for the backward of that very call (read once by _ring_setup).
-_ring_call = threading.local()
-
-
 def _ring_setup(ctx, inputs, output):
-    q, k, v, doc_lens, ranks, causal, scale = inputs
+    q, k, v, doc_lens, ranks, causal, scale, bf16_grad_comm = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.meta = (list(doc_lens), list(ranks), causal, scale, getattr(_ring_call, "bf16_grad_comm", False))
+    ctx.meta = (list(doc_lens), list(ranks), causal, scale, bf16_grad_comm)
 
 
 def _ring_backward(ctx, dout, dlse):
@@ -87,7 +84,7 @@ def _ring_backward(ctx, dout, dlse):
     doc_lens, ranks, causal, scale, bf16 = ctx.meta
     dq, dk, dv = _ops.ring_attn_bwd(dout.contiguous(), q, k, v, out, lse, doc_lens, ranks, causal,
                                     scale, bf16)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 torch.library.register_autograd("bytescale::ring_attn_fwd", _ring_backward, setup_context=_ring_setup)
@@ -123,22 +120,21 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens: Sequence[int],
-                   ranks: Sequence[int], softmax_scale: Optional[float] = None,
+                   ranks: Union[Sequence[int], "DynamicGroup"], softmax_scale: Optional[float] = None,
                    causal: bool = True, bf16_grad_comm: bool = False) -> torch.Tensor:
-    """Ring attention for documents sharded zig-zag over the ring ``ranks`` (global ranks).
+    """Ring attention for documents sharded zig-zag over the ring ``ranks``.
 
-    q/k/v hold THIS rank's tokens of the documents (for each document, its zig-zag chunk pair at
-    this rank's ring position). Every member calls it with the same ``doc_lens`` and ``ranks``.
-    ``bf16_grad_comm`` sends the travelling dK/dV accumulators as bf16 (half the backward
+    ``ranks``: a :class:`bytescale.comm.DynamicGroup` or its ordered global ranks (ring order);
+    the op checks them as the C++ group type dynamic groups use (distinct, inside the world, this
+    rank a member). q/k/v hold THIS rank's tokens of the documents (for each document, its zig-zag
+    chunk pair at this rank's ring position). Every member calls it with the same ``doc_lens`` and
+    ring. ``bf16_grad_comm`` sends the travelling dK/dV accumulators as bf16 (half the backward
     traffic; fp32 accumulation stays local).
     """
-    _ring_call.bf16_grad_comm = bool(bf16_grad_comm)
-    try:
-        out, _ = _ops.ring_attn_fwd(q.contiguous(), k.contiguous(), v.contiguous(),
-                                    [int(n) for n in doc_lens], [int(r) for r in ranks], causal,
-                                    float(softmax_scale or 0.0))
-    finally:
-        _ring_call.bf16_grad_comm = False
+    ranks = getattr(ranks, "ranks", ranks)  # a DynamicGroup's ordered ranks
+    out, _ = _ops.ring_attn_fwd(q.contiguous(), k.contiguous(), v.contiguous(),
+                                [int(n) for n in doc_lens], [int(r) for r in ranks], causal,
+                                float(softmax_scale or 0.0), bool(bf16_grad_comm))
     return out
 
 

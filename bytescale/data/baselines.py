@@ -61,6 +61,13 @@ class StaticPlan:
                 out.append(MicroBatchPlan(rank, i, sharded=docs, ring=ring, ring_pos=pos, ring_id=i))
         return out
 
+    def lockstep_micro_batches(self, rank: int, sample_ids: Optional[Sequence[int]] = None) -> List[MicroBatchPlan]:
+        """Lockstep slots: every rank padded with empty micro-batches to the largest count (the
+        members of a CP group always share their slots)."""
+        mine = self.micro_batches(rank, sample_ids)
+        total = int(self.num_micro_batches().max()) if self.world_size else 0
+        return mine + [MicroBatchPlan(rank, k) for k in range(len(mine), total)]
+
     @property
     def imbalance(self) -> float:
         """Predicted max / mean rank time: the baseline makes no prediction (NaN)."""

@@ -1,7 +1,8 @@
 """The plan-driven HDP loader.
 
-Per step it (1) takes the next global batch of sample ids from a deterministic, resumable sampler,
-(2) plans it with the C++ planner (:class:`bytescale.config.PlannerConfig`), and (3) materialises
+Per step it (1) takes the next global batch's metadata (sample ids, lengths) from a
+:class:`~bytescale.data.source.BatchSource` (a dataset's deterministic, resumable sampler, or a
+data-service client), (2) plans it with the C++ planner (:class:`bytescale.config.PlannerConfig`), and (3) materialises
 ONLY this rank's micro-batches, in the plan's execution order: input ids, labels, position ids,
 the typed micro-batch plan and its attention layout (always attached).
 
@@ -15,16 +16,17 @@ Token order inside a micro-batch (:meth:`MicroBatchPlan.token_ranges`): the loca
 document: the label of a chunk's last token is the first token of the following chunk, read
 directly from the dataset even when that chunk lives on another rank; the last token of a
 document has no label. Position ids are positions inside the document (RoPE-correct for chunks).
+Tokens come from the source's ``tokens(sample_id, start, end)``: a rank pulls only its own ranges.
 
 The next step is prepared in a background thread while the current one trains. The loader's
-state (sampler position, epoch, step) is checkpointable: a resumed run sees exactly the batches it
-would have seen.
+state (the source's position and the step) is checkpointable and independent of the world size: a
+run resumed on any number of ranks sees exactly the batches it would have seen.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -32,13 +34,16 @@ import torch
 from ..config import LoaderConfig, PlannerConfig, RuntimeConfig
 from ..planner.types import MicroBatchPlan
 from .dataset import TokenDataset
+from .source import BatchSource, DatasetSource, GlobalBatch
 from .types import IGNORE_INDEX, MicroBatch, Step
 
-__all__ = ["GlobalBatchSampler", "HDPLoader", "materialize", "lockstep_schedule"]
+__all__ = ["GlobalBatchSampler", "HDPLoader", "materialize"]
 
 
-def materialize(dataset: TokenDataset, plan: MicroBatchPlan, bf16_grad_comm: bool = False) -> MicroBatch:
-    """Read exactly this micro-batch's tokens (plus one label token per range) from the dataset.
+def materialize(dataset: Union[TokenDataset, BatchSource], plan: MicroBatchPlan,
+                bf16_grad_comm: bool = False) -> MicroBatch:
+    """Read exactly this micro-batch's tokens (plus one label token per range) from the dataset
+    or batch source (anything with ``tokens(sample_id, start, end)``).
 
     ``plan`` must be bound to dataset ids (:meth:`MicroBatchPlan.bind`).
     """
@@ -61,67 +66,6 @@ def materialize(dataset: TokenDataset, plan: MicroBatchPlan, bf16_grad_comm: boo
         empty = torch.empty(0, dtype=torch.long)
         tensors = (empty, empty.clone(), empty.clone())
     return MicroBatch(*tensors, plan=plan, layout=plan.layout(bf16_grad_comm))
-
-
-def lockstep_schedule(per_rank: Sequence[Sequence[MicroBatchPlan]]) -> List[List[MicroBatchPlan]]:
-    """Align every rank's micro-batches into slots run in lockstep (for FSDP2-style training).
-
-    With sharded parameters every rank joins a collective in every forward/backward, so all ranks
-    must run micro-batch k together, and the members of a ring must meet in the same slot. Rings
-    keep their relative order on every member (the plan's contract) and are placed in the earliest
-    slot where all members are free; local micro-batches fill the remaining slots in order; every
-    rank is padded with empty micro-batches to the same number of slots. Pure function of the plan:
-    every rank computes the same schedule. Returned plans are re-indexed by slot.
-    """
-    world = len(per_rank)
-    ring_lists = [[mb for mb in specs if mb.is_ring] for specs in per_rank]
-    heads = [0] * world
-    next_free = [0] * world
-    slots: List[dict] = [dict() for _ in range(world)]
-    remaining = sum(len(r) for r in ring_lists)
-
-    def key(mb: MicroBatchPlan):
-        return (mb.ring, mb.ring_id)
-
-    while remaining:
-        progressed = False
-        for r in range(world):
-            if heads[r] >= len(ring_lists[r]):
-                continue
-            k = key(ring_lists[r][heads[r]])
-            members = k[0]
-            if all(heads[m] < len(ring_lists[m]) and key(ring_lists[m][heads[m]]) == k for m in members):
-                slot = max(next_free[m] for m in members)
-                for m in members:
-                    slots[m][slot] = ring_lists[m][heads[m]]
-                    next_free[m] = slot + 1
-                    heads[m] += 1
-                remaining -= len(members)
-                progressed = True
-        if not progressed:
-            raise RuntimeError("lockstep_schedule: ring micro-batches are not in one consistent order "
-                               "across their members; the plan violates its ordering contract")
-    for r in range(world):
-        k = 0
-        for mb in (m for m in per_rank[r] if not m.is_ring):
-            while k in slots[r]:
-                k += 1
-            slots[r][k] = mb
-    total = max((max(sl) + 1 for sl in slots if sl), default=0)
-    out = []
-    for r in range(world):
-        row = []
-        for k in range(total):
-            mb = slots[r].get(k)
-            row.append(MicroBatchPlan(r, k) if mb is None else _reindex(mb, k))
-        out.append(row)
-    return out
-
-
-def _reindex(mb: MicroBatchPlan, index: int) -> MicroBatchPlan:
-    from dataclasses import replace
-
-    return mb if mb.index == index else replace(mb, index=index)
 
 
 class GlobalBatchSampler:
@@ -184,7 +128,9 @@ class HDPLoader:
     """Iterate HDP steps for this rank (see module docstring).
 
     Args:
-        dataset: a :class:`~bytescale.data.dataset.TokenDataset`.
+        source: a :class:`~bytescale.data.source.BatchSource` (e.g. a data-service client), or a
+            :class:`~bytescale.data.dataset.TokenDataset` (wrapped in a
+            :class:`~bytescale.data.source.DatasetSource` with the config's batch size and seed).
         planner: how steps are planned (:class:`~bytescale.config.PlannerConfig`).
         config: batch size, seed, prefetch, plan check, lockstep (:class:`~bytescale.config.LoaderConfig`).
         rank, world_size: this rank and the HDP world (default: torch.distributed's).
@@ -193,7 +139,7 @@ class HDPLoader:
 
     def __init__(
         self,
-        dataset: TokenDataset,
+        source: Union[BatchSource, TokenDataset],
         planner: PlannerConfig,
         config: LoaderConfig,
         rank: Optional[int] = None,
@@ -206,7 +152,9 @@ class HDPLoader:
             raise TypeError(f"HDPLoader: planner must be a bytescale.config.PlannerConfig, got {type(planner).__name__}")
         if not isinstance(config, LoaderConfig):
             raise TypeError(f"HDPLoader: config must be a bytescale.config.LoaderConfig, got {type(config).__name__}")
-        self.dataset = dataset
+        self._own_source = not isinstance(source, BatchSource)
+        self.source: BatchSource = (DatasetSource(source, config.tokens_per_batch, config.seed)
+                                    if self._own_source else source)
         self.planner = planner
         self.config = config
         self.runtime = runtime or RuntimeConfig()
@@ -214,8 +162,6 @@ class HDPLoader:
         self.world_size = dist.get_world_size() if world_size is None else int(world_size)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"HDPLoader: rank {self.rank} outside [0, {self.world_size})")
-        self.sampler = GlobalBatchSampler([dataset.length(i) for i in range(len(dataset))],
-                                          config.tokens_per_batch, config.seed)
         self.step_index = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if config.prefetch else None
         self._pending: Optional[concurrent.futures.Future] = None
@@ -226,11 +172,13 @@ class HDPLoader:
         """Position of the NEXT step to be returned (prefetched work is not part of the state)."""
         if self._pending_state is not None:
             return dict(self._pending_state)
-        return {"sampler": self.sampler.state_dict(), "step": self.step_index}
+        return {"source": self.source.state_dict(), "step": self.step_index}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if "source" not in state or "step" not in state:
+            raise ValueError(f"HDPLoader.load_state_dict: expected keys 'source' and 'step', got {sorted(state)}")
         self._drop_pending()
-        self.sampler.load_state_dict(state["sampler"])
+        self.source.load_state_dict(state["source"])
         self.step_index = int(state["step"])
 
     def _drop_pending(self) -> None:
@@ -240,29 +188,28 @@ class HDPLoader:
         self._pending_state = None
 
     # -- steps ---------------------------------------------------------------------------------
-    def _build(self, step_index: int, sample_ids: List[int]) -> Step:
-        lengths = [self.dataset.length(s) for s in sample_ids]
+    def _build(self, step_index: int, batch: GlobalBatch) -> Step:
+        sample_ids, lengths = list(batch.sample_ids), [int(n) for n in batch.lengths]
         plan = self.planner.plan(lengths, self.world_size)
-        if self.config.lockstep:
-            per_rank = [plan.micro_batches(r, sample_ids) for r in range(self.world_size)]
-            mine = lockstep_schedule(per_rank)[self.rank]
+        if self.config.lockstep:  # FSDP2: the plan's lockstep slots (C++, csrc/planner/replay.h)
+            mine = plan.lockstep_micro_batches(self.rank, sample_ids)
         else:
             mine = plan.micro_batches(self.rank, sample_ids)
         bf16 = self.runtime.bf16_grad_comm
-        micro = tuple(materialize(self.dataset, mb, bf16) for mb in mine)
+        micro = tuple(materialize(self.source, mb, bf16) for mb in mine)
         gl_tokens = int(sum(lengths))
         step = Step(step_index, tuple(sample_ids), gl_tokens, gl_tokens - len(lengths), micro, plan)
         step.info["fingerprint"] = _plan_fingerprint(
             repr((list(sample_ids), lengths, self.world_size)).encode() + bytes(plan.to_bytes()))
         return step
 
-    def _next_ids(self) -> Tuple[int, List[int], Dict[str, Any]]:
-        """Take the next batch's ids; returns (step index, ids, loader state BEFORE taking it)."""
-        before = {"sampler": self.sampler.state_dict(), "step": self.step_index}
+    def _next_batch(self) -> Tuple[int, GlobalBatch, Dict[str, Any]]:
+        """Take the next batch's metadata; returns (step index, batch, loader state BEFORE it)."""
+        before = {"source": self.source.state_dict(), "step": self.step_index}
         idx = self.step_index
-        ids = self.sampler.next_batch()
+        batch = self.source.next_batch()
         self.step_index += 1
-        return idx, ids, before
+        return idx, batch, before
 
     def _verify(self, step: Step) -> None:
         import torch.distributed as dist
@@ -289,13 +236,13 @@ class HDPLoader:
             self._pending = None
             self._pending_state = None
         else:
-            idx, ids, _ = self._next_ids()
-            step = self._build(idx, ids)
+            idx, batch, _ = self._next_batch()
+            step = self._build(idx, batch)
         if self._pool is not None and (self.config.max_steps is None or self.step_index < self.config.max_steps):
-            idx, ids, before = self._next_ids()
+            idx, batch, before = self._next_batch()
             # state_dict() while the next step is in flight reports the position BEFORE it.
             self._pending_state = before
-            self._pending = self._pool.submit(self._build, idx, ids)
+            self._pending = self._pool.submit(self._build, idx, batch)
         self._verify(step)
         return step
 
@@ -303,3 +250,5 @@ class HDPLoader:
         self._drop_pending()
         if self._pool is not None:
             self._pool.shutdown()
+        if self._own_source:
+            self.source.close()

@@ -1,17 +1,27 @@
 """Python face of the C++ HDP planner (csrc/planner/).
 
     plan = bytescale.plan(lengths, world_size=64, capacity=16384)
-    plan.imbalance                 # predicted max/mean rank time
+    plan.makespan                  # predicted synchronised step time (s)
+    plan.makespan / plan.lower_bound
+    plan.idle()                    # per-rank idle time (waiting for ring partners + tail)
     plan.micro_batches(rank)       # this rank's micro-batches (MicroBatchPlan), in execution order
+    plan.replay(durations)         # the same plan replayed with other micro-batch durations
 
-Strategies: ``"balanced"`` (ours: time-balanced, D(s) chosen by cost as well as memory, speed-aware
-LPT for short sequences), ``"naive"`` (the paper's Alg. 1: memory-driven, token-balanced) and
+The model of a step (the runtime executes exactly this, and the planner optimises it): every rank
+runs its micro-batches in the plan's order; a local micro-batch starts when its rank is free; a ring
+micro-batch starts only when all members of its group are free and ends on all of them together.
+
+Strategies: ``"balanced"`` (ours, sync-aware: rings placed on a timeline of when ranks become free,
+any-integer ring sizes chosen by cost, short sequences fitted into the waits and tails; never worse
+than pow2 under the replay), ``"naive"`` (the paper's Alg. 1: memory-driven, token-balanced) and
 ``"pow2"`` (Megatron-style dynamic CP: D rounded up to a power of two) for comparison.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
@@ -20,7 +30,7 @@ from .. import _C
 
 from .types import DocRef, MicroBatchPlan
 
-__all__ = ["CostModel", "Plan", "DocRef", "MicroBatchPlan", "load_cost_model", "plan", "profile"]
+__all__ = ["CostModel", "Plan", "DocRef", "MicroBatchPlan", "Replay", "load_cost_model", "plan", "profile"]
 
 CostModel = _C.planner.CostModel
 
@@ -35,8 +45,34 @@ def load_cost_model(source: Union[str, os.PathLike, Dict[str, Any], None] = None
         return CostModel.from_json(f.read())
 
 
+@dataclass(frozen=True)
+class Replay:
+    """A plan replayed in the runtime's model of a step (:meth:`Plan.replay`).
+
+    ``start``/``end``: per micro-batch (indexed like ``Plan.raw.mb_cost``); ``rank_finish``: end of
+    each rank's last micro-batch; ``rank_busy``: time inside micro-batches; ``rank_idle``:
+    ``step_time - rank_busy``; ``step_time``: the step's end (max of ``rank_finish``). Arrays are
+    read-only float64.
+    """
+
+    start: np.ndarray
+    end: np.ndarray
+    rank_finish: np.ndarray
+    rank_busy: np.ndarray
+    rank_idle: np.ndarray
+    step_time: float
+
+    @classmethod
+    def _wrap(cls, r: "_C.planner.ReplayResult") -> "Replay":
+        return cls(r.mb_start, r.mb_end, r.rank_finish, r.rank_busy, r.rank_idle, float(r.step_time))
+
+
 class Plan:
-    """A step's plan (wraps the C++ Plan; its arrays are zero-copy read-only numpy views)."""
+    """A step's plan (wraps the C++ Plan; its arrays are zero-copy read-only numpy views).
+
+    Each rank's micro-batches are listed in execution order (local ones may sit between ring ones);
+    every member lists a group's ring micro-batches in the same relative order (global ring id).
+    """
 
     def __init__(self, cplan: "_C.planner.Plan", lengths: Optional[np.ndarray] = None) -> None:
         self._p = cplan
@@ -45,24 +81,62 @@ class Plan:
                                   minlength=int(cplan.num_sequences)).astype(np.int64)
         self.lengths = lengths
 
-    # predictions
-    @property
-    def imbalance(self) -> float:
-        """Predicted max / mean rank time."""
-        return self._p.imbalance
-
+    # predictions (the default cost model's, or the profile's)
     @property
     def makespan(self) -> float:
+        """Predicted synchronised step time (s): the plan replayed in the runtime's model."""
         return self._p.makespan
 
     @property
+    def max_busy(self) -> float:
+        """The busiest rank's sum of micro-batch costs (the step if no rank ever waited)."""
+        return self._p.max_busy
+
+    @property
+    def imbalance(self) -> float:
+        """Predicted step time / mean per-rank busy time."""
+        return self._p.imbalance
+
+    @property
     def lower_bound(self) -> float:
-        """max(total work / total speed, largest indivisible piece) under the cost model."""
+        """No plan can beat it: max(total work / total speed, largest indivisible piece), each
+        sequence at its best ring size with communication (cost model's ``sharded_time``)."""
         return self._p.lower_bound
 
     @property
+    def bound_parts(self) -> Dict[str, float]:
+        """The lower bound's parts (seconds): ``work`` (total work / total speed), ``piece`` (the
+        longest sequence at its best ring size) and ``waves`` (wide rings that cannot all run at
+        once); ``lower_bound`` is their maximum."""
+        p = self._p
+        return {"work": p.bound_work, "piece": p.bound_piece, "waves": p.bound_waves}
+
+    @property
+    def bound_ratio(self) -> float:
+        """``makespan / lower_bound`` (1.0 = provably optimal under the cost model)."""
+        return self._p.makespan / self._p.lower_bound if self._p.lower_bound > 0 else 1.0
+
+    @property
     def rank_cost(self) -> np.ndarray:
+        """Per-rank busy time: the sum of the rank's micro-batch costs."""
         return self._p.rank_cost
+
+    busy = rank_cost
+
+    @property
+    def rank_finish(self) -> np.ndarray:
+        """When each rank finishes its last micro-batch (replayed)."""
+        return self._p.rank_finish
+
+    def idle(self, rank: Optional[int] = None) -> Union[float, np.ndarray]:
+        """Idle time of ``rank`` (or of every rank): ``makespan - busy``, i.e. waits for ring
+        partners plus the time after the rank's last micro-batch."""
+        idle = self._p.rank_idle
+        if rank is None:
+            return idle
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} outside [0, {self.world_size})")
+        return float(idle[rank])
 
     @property
     def world_size(self) -> int:
@@ -74,8 +148,34 @@ class Plan:
 
     @property
     def raw(self) -> "_C.planner.Plan":
-        """The C++ plan (flat arrays: rank_mb, mb_seg, mb_grp, seg_seq, ...)."""
+        """The C++ plan (flat arrays: rank_mb, mb_seg, mb_ring, ring_grp, grp_ranks, seg_seq, ...)."""
         return self._p
+
+    def replay(self, durations: Optional[Sequence[float]] = None) -> Replay:
+        """Replays the plan with per-micro-batch ``durations`` (indexed like ``raw.mb_cost``;
+        default: the cost model's ``mb_cost``), e.g. measured or simulated times.
+
+        Raises:
+            ValueError: wrong number of durations, a negative/NaN duration, or an order that
+                deadlocks (never for plans made by :func:`plan`).
+        """
+        d = None if durations is None else np.ascontiguousarray(durations, dtype=np.float64)
+        return Replay._wrap(_C.planner.replay(self._p, d))
+
+    def lockstep(self) -> np.ndarray:
+        """FSDP2 lockstep slots: int64 ``[world_size, slots]`` of micro-batch indices (into the
+        plan's flat micro-batch arrays), -1 for an empty padding slot. Ring members meet in the
+        same slot; rings keep the plan's order, locals fill the remaining slots in order."""
+        return _C.planner.lockstep(self._p)
+
+    def lockstep_micro_batches(self, rank: int, sample_ids: Optional[Sequence[int]] = None) -> List[MicroBatchPlan]:
+        """Rank ``rank``'s micro-batches by lockstep slot (:meth:`lockstep`): an empty
+        :class:`MicroBatchPlan` for a padding slot; ``index`` is the slot."""
+        slots = self.lockstep()
+        mine = self.micro_batches(rank, sample_ids)
+        base = int(self._p.rank_mb[rank])
+        return [MicroBatchPlan(rank, k) if m < 0 else replace(mine[int(m) - base], index=k)
+                for k, m in enumerate(slots[rank].tolist())]
 
     def num_micro_batches(self, rank: Optional[int] = None) -> Union[int, np.ndarray]:
         counts = np.diff(self._p.rank_mb)
@@ -90,21 +190,22 @@ class Plan:
         if not 0 <= rank < p.world_size:
             raise IndexError(f"Plan.micro_batches: rank {rank} outside [0, {p.world_size})")
         lengths = self.lengths
-        rank_mb, mb_seg, mb_grp = p.rank_mb, p.mb_seg, p.mb_grp
+        rank_mb, mb_seg = p.rank_mb, p.mb_seg
         seg_seq, seg_size, seg_pos = p.seg_seq, p.seg_ring_size, p.seg_ring_pos
-        grp, ring_ids, ratio, cost = p.grp_ranks, p.mb_ring, p.mb_offload, p.mb_cost
+        grp, ring_grp, ring_ids, ratio, cost = p.grp_ranks, p.ring_grp, p.mb_ring, p.mb_offload, p.mb_cost
         out = []
         for i, m in enumerate(range(int(rank_mb[rank]), int(rank_mb[rank + 1]))):
             local, sharded, pos = [], [], 0
             for k in range(int(mb_seg[m]), int(mb_seg[m + 1])):
                 bp = int(seg_seq[k])
                 ref = DocRef(bp, -1 if sample_ids is None else int(sample_ids[bp]), int(lengths[bp]))
-                if seg_size[k] > 1 or mb_grp[m + 1] > mb_grp[m]:
+                if seg_size[k] > 1 or ring_ids[m] >= 0:
                     sharded.append(ref)
                     pos = int(seg_pos[k])
                 else:
                     local.append(ref)
-            ring = tuple(int(r) for r in grp[int(mb_grp[m]):int(mb_grp[m + 1])])
+            rid = int(ring_ids[m])
+            ring = () if rid < 0 else tuple(int(r) for r in grp[int(ring_grp[rid]):int(ring_grp[rid + 1])])
             out.append(MicroBatchPlan(rank=rank, index=i, local=tuple(local), sharded=tuple(sharded),
                                       ring=ring, ring_pos=pos, ring_id=int(ring_ids[m]),
                                       offload_ratio=float(ratio[m]), predicted_time=float(cost[m])))
@@ -113,11 +214,9 @@ class Plan:
     def ring_sizes(self) -> Dict[int, int]:
         """Sequence index -> number of ranks it is sharded over (sharded sequences only)."""
         p = self._p
-        out: Dict[int, int] = {}
-        for k in range(len(p.seg_seq)):
-            if p.seg_ring_size[k] > 1:
-                out[int(p.seg_seq[k])] = int(p.seg_ring_size[k])
-        return out
+        sizes = np.asarray(p.seg_ring_size)
+        sel = np.nonzero(sizes > 1)[0]
+        return {int(k): int(v) for k, v in zip(np.asarray(p.seg_seq)[sel], sizes[sel])}
 
     def to_bytes(self) -> bytes:
         return self._p.to_bytes()
@@ -132,18 +231,76 @@ class Plan:
         return (f"plan[{self.strategy}] ranks={self.world_size} micro-batches/rank "
                 f"min={int(mbs.min()) if len(mbs) else 0} max={int(mbs.max()) if len(mbs) else 0} "
                 f"sharded={len(rings)} ring sizes={sorted(rings.values(), reverse=True)[:8]} "
-                f"predicted imbalance={self.imbalance:.3f} makespan={self.makespan * 1e3:.2f} ms "
-                f"lower bound={self.lower_bound * 1e3:.2f} ms")
+                f"predicted step={self.makespan * 1e3:.2f} ms (busiest rank {self.max_busy * 1e3:.2f} ms, "
+                f"lower bound {self.lower_bound * 1e3:.2f} ms, x{self.bound_ratio:.3f}) "
+                f"imbalance={self.imbalance:.3f}")
 
     def __repr__(self) -> str:
         return self.summary()
 
 
+def _positive_int(name: str, value: Any) -> int:
+    """``value`` as an int >= 1, or a ValueError naming it (bools and non-integral numbers too)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"plan(): {name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+_MAX_LENGTH = 1 << 40  # the C++ planner's limit
+
+
+def _check_each(values: Sequence[Any]) -> np.ndarray:
+    """The slow path: every value must be an int (not a bool) or an integral float in range."""
+    out = np.empty(len(values), dtype=np.int64)
+    for k, x in enumerate(values):
+        ok = isinstance(x, (int, np.integer, float, np.floating)) and not isinstance(x, (bool, np.bool_))
+        if ok and isinstance(x, (float, np.floating)):
+            ok = math.isfinite(x) and float(x).is_integer()
+        if not ok or not 1 <= x <= _MAX_LENGTH:
+            raise ValueError(f"plan(): sequence {k} has length {x!r} (lengths[{k}]); lengths must "
+                             f"be integers in [1, 2^40]")
+        out[k] = int(x)
+    return out
+
+
+def _lengths_array(lengths: Union[Sequence[int], np.ndarray]) -> np.ndarray:
+    """The lengths as a contiguous int64 array, after checking every value is an integer >= 1.
+
+    Checked before any conversion (a cast to int64 would truncate 1.5 to 1 and NaN to garbage);
+    integral floats (``2.0``) are accepted. Raises ValueError naming the first bad index and value.
+    """
+    if isinstance(lengths, np.ndarray):
+        arr = lengths.reshape(-1)
+    else:
+        seq = list(lengths)
+        if not seq:
+            return np.zeros(0, dtype=np.int64)
+        if not all(issubclass(t, (int, float, np.integer, np.floating)) and not issubclass(t, (bool, np.bool_))
+                   for t in set(map(type, seq))):
+            return _check_each(seq)
+        arr = np.asarray(seq)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    kind = arr.dtype.kind
+    if kind in "iu":
+        bad = (arr < 1) | (arr > _MAX_LENGTH)
+    elif kind == "f":
+        with np.errstate(invalid="ignore"):
+            bad = ~np.isfinite(arr) | (arr < 1) | (arr != np.floor(arr)) | (arr > _MAX_LENGTH)
+    else:  # bools, strings, objects, complex numbers, ...
+        return _check_each(arr.tolist())
+    if bad.any():
+        k = int(np.argmax(bad))
+        raise ValueError(f"plan(): sequence {k} has length {arr[k].item()!r} (lengths[{k}]); "
+                         f"lengths must be integers in [1, 2^40]")
+    return np.ascontiguousarray(arr.astype(np.int64))
+
+
 def _options(world_size: int, capacity: int, strategy: str, offload: bool, cost: Any,
              speed: Optional[Sequence[float]], memory: Optional[Sequence[float]]) -> "_C.planner.PlanOptions":
     o = _C.planner.PlanOptions()
-    o.world_size = int(world_size)
-    o.capacity = int(capacity)
+    o.world_size = _positive_int("world_size", world_size)
+    o.capacity = _positive_int("capacity", capacity)
     o.strategy = strategy
     o.offload = bool(offload)
     o.cost = cost if isinstance(cost, CostModel) else load_cost_model(cost)
@@ -155,7 +312,7 @@ def _options(world_size: int, capacity: int, strategy: str, offload: bool, cost:
 
 
 def plan(
-    lengths: Sequence[int],
+    lengths: Union[Sequence[int], np.ndarray],
     world_size: int,
     capacity: int,
     strategy: str = "balanced",
@@ -167,10 +324,14 @@ def plan(
 ) -> Plan:
     """Plan one global batch.
 
+    The plan minimises the synchronised step time (``Plan.makespan``): each rank runs its
+    micro-batches in the plan's order, a ring micro-batch starts when all its members are free.
+
     Args:
-        lengths: sequence lengths (positive ints), in batch order; plans refer to positions.
-        world_size: HDP ranks.
-        capacity: tokens per micro-batch per rank (before ``memory`` multipliers).
+        lengths: sequence lengths (integers >= 1; integral floats accepted), in batch order;
+            plans refer to positions.
+        world_size: HDP ranks (an integer >= 1).
+        capacity: tokens per micro-batch per rank (before ``memory`` multipliers; integer >= 1).
         strategy: "balanced" | "naive" | "pow2".
         offload: let long sequences offload activations (paper Eq. 3) to use fewer ranks.
         cost: a CostModel, a JSON profile path, a dict of coefficients, or None (defaults).
@@ -178,9 +339,11 @@ def plan(
         memory: per-rank capacity multipliers.
         verify: re-check every invariant in C++ after planning (tests, debugging).
     Raises:
-        ValueError: bad input (non-positive lengths, a sequence needing more ranks than exist, ...).
+        ValueError: bad input, naming the index/field and value (a length that is not an integer
+            >= 1, a NaN or negative cost coefficient, world size 0, a sequence needing more ranks
+            than exist, ...).
     """
-    arr = np.ascontiguousarray(np.asarray(lengths, dtype=np.int64).reshape(-1))
+    arr = _lengths_array(lengths)
     opts = _options(world_size, capacity, strategy, offload, cost, speed, memory)
     p = Plan(_C.planner.make_plan(arr, opts), arr)
     if verify:

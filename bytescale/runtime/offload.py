@@ -14,9 +14,9 @@ Parameters and small tensors are never offloaded. Values are restored bit for bi
 are identical to training without offloading; the context composes with activation checkpointing
 (non-reentrant) and with :class:`bytescale.HybridDataParallel`.
 
-STATUS: the CPU path (host-to-host copies on a worker thread, the same bookkeeping) is tested in
-CI; the CUDA path (pinned pool, per-device D2H and H2D streams, events, no host synchronisation)
-passed its bit-identical-gradients test on one H200 (2026-11-22); its speed is not yet measured.
+Copies run on a copy engine (csrc/offload/copy_engine.h): host-to-host on a worker thread on CPU;
+on CUDA a pinned pool with per-device D2H and H2D streams and events (csrc/cuda/offload/). What
+was verified where, and measured numbers: README "Status" and benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 

@@ -68,10 +68,9 @@ BlockPlan zigzagPlan(const std::vector<int64_t>& lens, int64_t n, int64_t qp, in
   for (int64_t s : lens) {
     zigzag::check(s, n, qp);
     zigzag::check(s, n, kp);
-    const auto qa = zigzag::chunk(s, n, qp), qb = zigzag::chunk(s, n, 2 * n - 1 - qp);
-    const auto ka = zigzag::chunk(s, n, kp), kb = zigzag::chunk(s, n, 2 * n - 1 - kp);
-    const int64_t qfirst = qa.second - qa.first, qn = qfirst + (qb.second - qb.first);
-    const int64_t kfirst = ka.second - ka.first, kn = kfirst + (kb.second - kb.first);
+    const auto qr = zigzag::local_ranges(s, n, qp), kr = zigzag::local_ranges(s, n, kp);
+    const int64_t qfirst = qr[0].second - qr[0].first, qn = zigzag::local_tokens(s, n, qp);
+    const int64_t kfirst = kr[0].second - kr[0].first, kn = zigzag::local_tokens(s, n, kp);
     if (!causal || qp == kp)
       push(p, qoff, qn, koff, kn);
     else if (kp < qp)

@@ -1,14 +1,13 @@
 // One step of (ring) attention: the queries a rank holds against one K/V block, forward merged into
-// running accumulators, backward added into gradient accumulators. Chooses the kernel:
-//   - CUDA, bf16/fp16, head dim % 8 == 0 and <= 256, sm80+: flash attention (ATen's varlen op) over
-//     the step's segment plan (block_plan.h), with bytescale's CUDA gather / scatter-add / LSE-merge
-//     kernels around it (csrc/cuda/attention_kernels.cu);
-//   - otherwise (CPU, fp32/fp64, odd head dims): the tiled block kernel (block_attention.h).
-// BYTESCALE_ATTENTION_KERNEL=tiled forces the tiled kernel everywhere (tests, comparisons).
+// running accumulators, backward added into gradient accumulators. The step functions run the
+// kernel chooseKernel picks (kernel.h): the built-in tiled kernel (block_attention.h) or a plug-in
+// (CUDA: flash attention / cuDNN over the step's segment plan, block_plan.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+#include <tuple>
 #include <vector>
 
 #include "attention/block_attention.h"
@@ -18,25 +17,29 @@ namespace bytescale {
 namespace attention {
 
 // Which tokens a query tensor and a K/V tensor hold: whole local documents (ring == 0) or the
-// zig-zag shards at ring positions qpos / kpos of a ring of `ring` ranks.
-struct BlockPair {
-  const std::vector<int64_t>& lens;
-  int64_t ring = 0;
-  int64_t qpos = 0, kpos = 0;
-  bool causal = true;
+// zig-zag shards at ring positions qpos / kpos of a ring of `ring` ranks. Lives for one step.
+class BlockPair {
+ public:
+  BlockPair(const std::vector<int64_t>& lens, int64_t ring, int64_t qpos, int64_t kpos, bool causal)
+      : lens(lens), ring(ring), qpos(qpos), kpos(kpos), causal(causal) {}
 
-  BlockPlan plan() const;
+  const std::vector<int64_t>& lens;
+  const int64_t ring, qpos, kpos;
+  const bool causal;
+
+  // The step's segment plan, computed on first use and kept (the chooser and the kernel share it).
+  const BlockPlan& plan() const;
+  // Per-token (document, position) of the queries / keys, for the tiled kernel.
   TokenMeta queryMeta() const;
   TokenMeta keyMeta() const;
+
+ private:
+  mutable std::optional<BlockPlan> plan_;
 };
 
 // Per-token (document, position) of whole local documents / of ring position i's shard.
 TokenMeta localMeta(const std::vector<int64_t>& lens);
 TokenMeta shardMeta(const std::vector<int64_t>& lens, int64_t n, int64_t i);
-int64_t shardTokens(const std::vector<int64_t>& lens, int64_t n, int64_t i);
-
-// True when the fused CUDA path runs for these queries.
-bool fusedKernelFor(const at::Tensor& q);
 
 // out (Tq, Hq, D) and lse (Hq, Tq) in the accumulation dtype (fp32; fp64 for fp64 inputs),
 // initialised to 0 / -inf, absorb q's attention to (k, v).

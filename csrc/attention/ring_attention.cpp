@@ -18,13 +18,14 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <map>
+#include <limits>
+#include <optional>
 #include <string>
 
 #include "attention/block_attention.h"
 #include "attention/block_step.h"
 #include "attention/zigzag.h"
+#include "comm/schedule.h"
 #include "comm/transport.h"
 
 namespace bytescale {
@@ -70,36 +71,42 @@ double resolveScale(double scale, const at::Tensor& q) {
   return scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
 }
 
+// The ring: its group as the rank map dynamic groups use (comm::RankMap: ordered, distinct global
+// ranks; ring position = group rank), and the world transport of the tensors' device.
 struct Ring {
-  std::vector<int64_t> ranks;
-  int64_t n = 1, me = 0;
-  std::shared_ptr<comm::Transport> tr;
+  std::optional<comm::RankMap> group;
+  std::shared_ptr<comm::Transport> tr;  // null only for a ring of one outside a bytescale world
   std::string what;
+
+  int64_t n() const { return group->size(); }
+  int64_t me() const { return group->myIndex(); }
 };
 
 Ring makeRing(c10::IntArrayRef ranks, const at::Tensor& q, const char* op) {
   Ring r;
-  r.ranks.assign(ranks.begin(), ranks.end());
-  r.n = static_cast<int64_t>(r.ranks.size());
-  TORCH_CHECK(r.n >= 1, "bytescale ", op, ": empty ring");
+  std::vector<int> members;
   std::string desc = "[";
-  for (size_t k = 0; k < r.ranks.size(); ++k) desc += (k ? ", " : "") + std::to_string(r.ranks[k]);
-  desc += "]";
-  r.what = std::string(op) + " on ring " + desc;
-  if (r.n == 1) {
-    r.me = 0;
-    return r;
+  for (size_t k = 0; k < ranks.size(); ++k) {
+    desc += (k ? ", " : "") + std::to_string(ranks[k]);
+    TORCH_CHECK(ranks[k] >= 0 && ranks[k] <= std::numeric_limits<int>::max(), "bytescale ", op,
+                ": rank ", ranks[k], " in ring ", ranks, " is not a rank");
+    members.push_back(static_cast<int>(ranks[k]));
   }
+  r.what = std::string(op) + " on ring " + desc + "]";
+  TORCH_CHECK(!members.empty(), "bytescale ", op, ": empty ring");
   r.tr = comm::worldTransport(q.device().type());
-  TORCH_CHECK(r.tr, "bytescale ", r.what, ": no bytescale transport for ", q.device(),
-              " tensors; call dist.init_process_group(\"bytescale\") first");
-  auto it = std::find(r.ranks.begin(), r.ranks.end(), r.tr->rank());
-  TORCH_CHECK(it != r.ranks.end(), "bytescale ", r.what, ": rank ", r.tr->rank(),
+  TORCH_CHECK(r.tr || members.size() == 1, "bytescale ", r.what, ": no bytescale transport for ",
+              q.device(), " tensors; call dist.init_process_group(\"bytescale\") first");
+  // A ring of one outside a bytescale world needs no transport: it is its own world.
+  const int world = r.tr ? r.tr->worldSize() : members[0] + 1;
+  const int me = r.tr ? r.tr->rank() : members[0];
+  try {
+    r.group.emplace(std::move(members), world, me);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, "bytescale ", r.what, ": ", e.what());
+  }
+  TORCH_CHECK(r.group->isMember(), "bytescale ", r.what, ": rank ", me,
               " is not a member of the ring");
-  for (auto x : r.ranks)
-    TORCH_CHECK(x >= 0 && x < r.tr->worldSize(), "bytescale ", r.what, ": rank ", x,
-                " outside the world of ", r.tr->worldSize());
-  r.me = it - r.ranks.begin();
   return r;
 }
 
@@ -141,36 +148,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlenBwd(
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
 }
 
+// bf16_grad_comm is the backward's (ring_attn_bwd): the forward takes it so that autograd's
+// setup_context finds it among the op's inputs.
 std::tuple<at::Tensor, at::Tensor> ringFwd(const at::Tensor& q, const at::Tensor& k,
                                            const at::Tensor& v, c10::IntArrayRef doc_lens,
-                                           c10::IntArrayRef ranks, bool causal, double scale) {
+                                           c10::IntArrayRef ranks, bool causal, double scale,
+                                           bool /*bf16_grad_comm*/) {
   checkQKV(q, k, v, "ring attention");
   auto lens = checkedLens(doc_lens, "ring attention");
   Ring ring = makeRing(ranks, q, "ring attention");
+  const int64_t n = ring.n(), me = ring.me();
   const double sc = resolveScale(scale, q);
-  const int64_t mine = shardTokens(lens, ring.n, ring.me);
+  const int64_t mine = zigzag::shard_tokens(lens, n, me);
   TORCH_CHECK(mine == q.size(0) && k.size(0) == q.size(0), "bytescale ", ring.what,
-              ": ring position ", ring.me, " of ", ring.n, " holds ", mine,
+              ": ring position ", me, " of ", n, " holds ", mine,
               " tokens of documents ", doc_lens, " but q has ", q.size(0), " and k ", k.size(0));
-  if (ring.n == 1) return attendOnce(q, k, v, BlockPair{lens, 1, 0, 0, causal}, sc);
+  if (n == 1) return attendOnce(q, k, v, BlockPair{lens, 1, 0, 0, causal}, sc);
   const auto acc = accType(q.scalar_type());
   at::Tensor out = at::zeros({q.size(0), q.size(1), q.size(2)}, q.options().dtype(acc));
   at::Tensor lse = at::full({q.size(1), q.size(0)}, -std::numeric_limits<double>::infinity(),
                             q.options().dtype(acc));
   at::Tensor cur = at::cat({k, v}, 0).contiguous();  // (2T, Hkv, D): one message per step
-  int64_t src = ring.me;
-  const int next = static_cast<int>(ring.ranks[mod(ring.me + 1, ring.n)]);
-  const int prev = static_cast<int>(ring.ranks[mod(ring.me - 1, ring.n)]);
-  for (int64_t s = 0; s < ring.n; ++s) {
+  int64_t src = me;
+  const int next = ring.group->next(), prev = ring.group->prev();
+  for (int64_t s = 0; s < n; ++s) {
     std::unique_ptr<comm::PendingExchange> pending;
     at::Tensor buf;
-    int64_t nsrc = mod(ring.me - s - 1, ring.n);
-    if (s + 1 < ring.n) {
-      buf = at::empty({2 * shardTokens(lens, ring.n, nsrc), k.size(1), k.size(2)}, k.options());
+    int64_t nsrc = mod(me - s - 1, n);
+    if (s + 1 < n) {
+      buf = at::empty({2 * zigzag::shard_tokens(lens, n, nsrc), k.size(1), k.size(2)}, k.options());
       pending = ring.tr->ringStep(cur, next, buf, prev, ring.what);
     }
     const int64_t t = cur.size(0) / 2;
-    forwardStep(q, cur.narrow(0, 0, t), cur.narrow(0, t, t), BlockPair{lens, ring.n, ring.me, src, causal},
+    forwardStep(q, cur.narrow(0, 0, t), cur.narrow(0, t, t), BlockPair{lens, n, me, src, causal},
                 sc, out, lse);
     if (pending) {
       pending->wait();
@@ -188,10 +198,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ringBwd(
   checkQKV(q, k, v, "ring attention backward", dout);
   auto lens = checkedLens(doc_lens, "ring attention backward");
   Ring ring = makeRing(ranks, q, "ring attention backward");
+  const int64_t n = ring.n(), me = ring.me();
   const double sc = resolveScale(scale, q);
   at::Tensor delta;
   at::Tensor dq = zerosAcc(q);
-  if (ring.n == 1) {
+  if (n == 1) {
     at::Tensor dk = zerosAcc(k), dv = zerosAcc(v);
     backwardStep(dout, q, k, v, out, lse, delta, BlockPair{lens, 1, 0, 0, causal}, sc, dq, dk, dv);
     return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
@@ -199,20 +210,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ringBwd(
   const auto acc = accType(q.scalar_type());
   const auto comm_dt = bf16_grad_comm && acc == at::kFloat ? at::kBFloat16 : acc;
   at::Tensor cur = at::cat({k, v}, 0).contiguous();
-  int64_t src = ring.me;
-  const int next = static_cast<int>(ring.ranks[mod(ring.me + 1, ring.n)]);
-  const int prev = static_cast<int>(ring.ranks[mod(ring.me - 1, ring.n)]);
+  int64_t src = me;
+  const int next = ring.group->next(), prev = ring.group->prev();
   // The dK/dV accumulator of the block in hand travels one hop per step. It is in flight while
   // this rank computes the block's contribution into a fresh buffer, and is added on arrival, so
   // the accumulator traffic overlaps compute like the K/V traffic does.
   std::unique_ptr<comm::PendingExchange> pending_acc;
   at::Tensor acc_send, acc_recv;
-  for (int64_t s = 0; s < ring.n; ++s) {
-    const int64_t nsrc = mod(ring.me - s - 1, ring.n);
-    const int64_t nt = shardTokens(lens, ring.n, nsrc);
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t nsrc = mod(me - s - 1, n);
+    const int64_t nt = zigzag::shard_tokens(lens, n, nsrc);
     std::unique_ptr<comm::PendingExchange> pending_kv;
     at::Tensor kv_buf;
-    if (s + 1 < ring.n) {
+    if (s + 1 < n) {
       kv_buf = at::empty({2 * nt, k.size(1), k.size(2)}, k.options());
       pending_kv = ring.tr->ringStep(cur, next, kv_buf, prev, ring.what);
     }
@@ -220,7 +230,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ringBwd(
     at::Tensor part = at::zeros({2 * t, k.size(1), k.size(2)}, q.options().dtype(acc));
     at::Tensor dk = part.narrow(0, 0, t), dv = part.narrow(0, t, t);
     backwardStep(dout, q, cur.narrow(0, 0, t), cur.narrow(0, t, t), out, lse, delta,
-                 BlockPair{lens, ring.n, ring.me, src, causal}, sc, dq, dk, dv);
+                 BlockPair{lens, n, me, src, causal}, sc, dq, dk, dv);
     if (pending_acc) {  // block src's accumulator, sent by the previous rank one step ago
       pending_acc->wait();
       part.add_(acc_recv);
@@ -255,7 +265,7 @@ std::vector<int64_t> shardOffsets(const std::vector<int64_t>& lens, int64_t n, c
                                   const char* what) {
   TORCH_CHECK(n >= 1, "bytescale ", what, ": ring size must be >= 1, got ", n);
   std::vector<int64_t> offs(n + 1, 0);
-  for (int64_t i = 0; i < n; ++i) offs[i + 1] = offs[i] + shardTokens(lens, n, i);
+  for (int64_t i = 0; i < n; ++i) offs[i + 1] = offs[i] + zigzag::shard_tokens(lens, n, i);
   TORCH_CHECK(offs.back() == q.size(0), "bytescale ", what, ": document lengths sum to ",
               offs.back(), " but q has ", q.size(0), " tokens");
   return offs;
@@ -315,13 +325,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> virtualRingBwd(
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
 }
 
+// merge_lse_ on the CPU: out (T, H, D) and lse (H, T) in fp32/fp64, out_b (T, H, D), lse_b (H, T).
+void mergeLseCpu(at::Tensor& out, at::Tensor& lse, const at::Tensor& out_b, const at::Tensor& lse_b) {
+  TORCH_CHECK(out.dim() == 3 && out_b.sizes() == out.sizes() && lse.dim() == 2 &&
+                  lse.size(0) == out.size(1) && lse.size(1) == out.size(0) &&
+                  lse_b.sizes() == lse.sizes(),
+              "bytescale merge_lse_: out (T, H, D) ", out.sizes(), ", lse (H, T) ", lse.sizes(),
+              ", out_b ", out_b.sizes(), ", lse_b ", lse_b.sizes(), " do not match");
+  TORCH_CHECK(at::isFloatingType(out.scalar_type()) && lse.scalar_type() == out.scalar_type(),
+              "bytescale merge_lse_: out and lse must share a floating dtype, got ",
+              out.scalar_type(), " and ", lse.scalar_type());
+  const at::Tensor valid = at::isfinite(lse_b);
+  at::Tensor lb = at::where(valid, lse_b.to(lse.scalar_type()),
+                            at::full({}, -std::numeric_limits<double>::infinity(), lse.options()));
+  at::Tensor o = out.clone(), l = lse.clone();
+  mergeInto(o, l, out_b.to(out.scalar_type()), lb);
+  out.copy_(at::where(valid.transpose(0, 1).unsqueeze(-1), o, out));
+  lse.copy_(at::where(valid, l, lse));
+}
+
 TORCH_LIBRARY(bytescale, m) {
   m.def("varlen_attn_fwd(Tensor q, Tensor k, Tensor v, int[] doc_lens, bool causal, float scale)"
         " -> (Tensor, Tensor)");
   m.def("varlen_attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "int[] doc_lens, bool causal, float scale) -> (Tensor, Tensor, Tensor)");
   m.def("ring_attn_fwd(Tensor q, Tensor k, Tensor v, int[] doc_lens, int[] ranks, bool causal, "
-        "float scale) -> (Tensor, Tensor)");
+        "float scale, bool bf16_grad_comm=False) -> (Tensor, Tensor)");
   m.def("ring_attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "int[] doc_lens, int[] ranks, bool causal, float scale, bool bf16_grad_comm) -> "
         "(Tensor, Tensor, Tensor)");
@@ -329,7 +358,13 @@ TORCH_LIBRARY(bytescale, m) {
         "float scale) -> (Tensor, Tensor)");
   m.def("virtual_ring_attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "int[] doc_lens, int n, bool causal, float scale) -> (Tensor, Tensor, Tensor)");
+  // In-place log-sum-exp merge of one block's (out_b, lse_b) into running (out, lse); rows whose
+  // lse_b is not finite (the block gave them nothing) stay unchanged. Kernels: CPU below, CUDA
+  // from the CUDA plug-in (csrc/cuda/attention/).
+  m.def("merge_lse_(Tensor(a!) out, Tensor(b!) lse, Tensor out_b, Tensor lse_b) -> ()");
 }
+
+TORCH_LIBRARY_IMPL(bytescale, CPU, m) { m.impl("merge_lse_", &mergeLseCpu); }
 
 TORCH_LIBRARY_IMPL(bytescale, CompositeExplicitAutograd, m) {
   m.impl("varlen_attn_fwd", &varlenFwd);

@@ -5,14 +5,17 @@
 // and the rank at ring position i holds chunks i and 2N-1-i, in that order (its local tokens are
 // chunk i followed by chunk 2N-1-i). Any length works: chunks differ by at most one token and may
 // be empty when s < 2N. Under a causal mask every rank then does the same attention work up to
-// rounding. This is the one definition of the layout: the planner, ring attention and the data
-// loader all use it.
+// rounding. This is the one C++ definition of the layout: the planner, the segment plans of ring
+// steps (block_plan.cpp) and the token metadata of the tiled kernel (block_step.cpp) use it. The
+// Python side mirrors it in one module (bytescale/_zigzag.py at the time of writing).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace bytescale {
 namespace zigzag {
@@ -33,11 +36,24 @@ inline std::pair<int64_t, int64_t> chunks_of(int64_t n_ranks, int64_t i) {
   return {i, 2 * n_ranks - 1 - i};
 }
 
+// The [start, end) token ranges of a length-s sequence held by ring position i, in the order of
+// its local tokens: chunk i, then chunk 2N-1-i.
+inline std::array<std::pair<int64_t, int64_t>, 2> local_ranges(int64_t s, int64_t n_ranks, int64_t i) {
+  const auto c = chunks_of(n_ranks, i);
+  return {chunk(s, n_ranks, c.first), chunk(s, n_ranks, c.second)};
+}
+
 // Number of tokens of a length-s sequence held by ring position i.
 inline int64_t local_tokens(int64_t s, int64_t n_ranks, int64_t i) {
-  auto a = chunk(s, n_ranks, i);
-  auto b = chunk(s, n_ranks, 2 * n_ranks - 1 - i);
-  return (a.second - a.first) + (b.second - b.first);
+  const auto r = local_ranges(s, n_ranks, i);
+  return (r[0].second - r[0].first) + (r[1].second - r[1].first);
+}
+
+// Number of tokens of packed sequences `lens`, each sharded over the ring, held by position i.
+inline int64_t shard_tokens(const std::vector<int64_t>& lens, int64_t n_ranks, int64_t i) {
+  int64_t t = 0;
+  for (int64_t s : lens) t += local_tokens(s, n_ranks, i);
+  return t;
 }
 
 inline void check(int64_t s, int64_t n_ranks, int64_t i) {

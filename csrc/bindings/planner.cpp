@@ -5,10 +5,11 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
-#include <chrono>
+#include <cstring>
 #include <memory>
 
 #include "planner/planner.h"
+#include "planner/replay.h"
 
 namespace py = pybind11;
 
@@ -16,11 +17,13 @@ namespace bytescale {
 
 namespace {
 using planner::CostModel;
+using planner::LockstepSlots;
 using planner::Plan;
 using planner::PlanOptions;
+using planner::ReplayResult;
 
-template <typename T>
-py::array view(const std::shared_ptr<Plan>& owner, const std::vector<T>& v) {
+template <typename T, typename Owner>
+py::array view(const std::shared_ptr<Owner>& owner, const std::vector<T>& v) {
   py::array a(py::dtype::of<T>(), {static_cast<py::ssize_t>(v.size())}, {sizeof(T)}, v.data(),
               py::cast(owner));
   py::detail::array_proxy(a.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
@@ -38,11 +41,44 @@ py::list rankMicroBatches(const Plan& p, int rank) {
     py::list segs;
     for (int64_t k = p.mb_seg[m]; k < p.mb_seg[m + 1]; ++k)
       segs.append(py::make_tuple(p.seg_seq[k], p.seg_ring_size[k], p.seg_ring_pos[k], p.seg_tokens[k]));
-    py::tuple group(p.mb_grp[m + 1] - p.mb_grp[m]);
-    for (int64_t g = p.mb_grp[m]; g < p.mb_grp[m + 1]; ++g)
-      group[g - p.mb_grp[m]] = py::int_(p.grp_ranks[g]);
+    const int64_t id = p.mb_ring[m];
+    const int64_t g0 = id >= 0 ? p.ring_grp[id] : 0, g1 = id >= 0 ? p.ring_grp[id + 1] : 0;
+    py::tuple group(g1 - g0);
+    for (int64_t g = g0; g < g1; ++g) group[g - g0] = py::int_(p.grp_ranks[g]);
     out.append(py::make_tuple(segs, group, p.mb_offload[m], p.mb_cost[m]));
   }
+  return out;
+}
+
+// A 1-D array argument as a pointer and length (int64/int32/float64, C-contiguous, cast if needed).
+template <typename T>
+using Arr = py::array_t<T, py::array::c_style | py::array::forcecast>;
+
+template <typename T>
+void check1d(const Arr<T>& a, const char* name) {
+  if (a.ndim() != 1)
+    throw py::value_error(std::string(name) + " must be 1-D, got " + std::to_string(a.ndim()) + " dimensions");
+}
+
+std::shared_ptr<ReplayResult> replayPlan(const Plan& p, const py::object& durations) {
+  if (durations.is_none()) {
+    py::gil_scoped_release nogil;
+    return std::make_shared<ReplayResult>(planner::replay(p));
+  }
+  Arr<double> d = py::cast<Arr<double>>(durations);
+  check1d(d, "durations");
+  if (d.size() != p.numMicroBatches())
+    throw py::value_error("durations has " + std::to_string(d.size()) + " entries for " +
+                          std::to_string(p.numMicroBatches()) + " micro-batches");
+  const double* dp = d.data();
+  const int64_t n = d.size();
+  py::gil_scoped_release nogil;
+  return std::make_shared<ReplayResult>(planner::replay(planner::scheduleOf(p), dp, n));
+}
+
+py::array lockstepArray(const LockstepSlots& s) {
+  py::array_t<int64_t> out({static_cast<py::ssize_t>(s.world_size), static_cast<py::ssize_t>(s.num_slots)});
+  if (!s.mb.empty()) std::memcpy(out.mutable_data(), s.mb.data(), s.mb.size() * sizeof(int64_t));
   return out;
 }
 }  // namespace
@@ -83,19 +119,24 @@ void bind_planner(py::module_& m) {
   py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan")
       .def_readonly("world_size", &Plan::world_size)
       .def_readonly("strategy", &Plan::strategy)
-      .def_readonly("makespan", &Plan::makespan)
+      .def_readonly("makespan", &Plan::makespan, "Synchronised step time (the replay's), seconds.")
+      .def_readonly("max_busy", &Plan::max_busy, "Max over ranks of the sum of micro-batch costs.")
       .def_readonly("mean_cost", &Plan::mean_cost)
-      .def_readonly("imbalance", &Plan::imbalance)
+      .def_readonly("imbalance", &Plan::imbalance, "makespan / mean_cost.")
       .def_readonly("lower_bound", &Plan::lower_bound)
+      .def_readonly("bound_work", &Plan::bound_work)
+      .def_readonly("bound_piece", &Plan::bound_piece)
+      .def_readonly("bound_waves", &Plan::bound_waves)
       .def_readonly("num_sequences", &Plan::num_sequences)
       .def_property_readonly("num_micro_batches", &Plan::numMicroBatches)
+      .def_property_readonly("num_rings", &Plan::numRings)
 #define BYTESCALE_VIEW(name)                                                                  \
   .def_property_readonly(#name, [](const std::shared_ptr<Plan>& p) { return view(p, p->name); })
-      BYTESCALE_VIEW(rank_mb) BYTESCALE_VIEW(mb_seg) BYTESCALE_VIEW(mb_grp)
-      BYTESCALE_VIEW(mb_offload) BYTESCALE_VIEW(mb_cost) BYTESCALE_VIEW(mb_tokens)
-      BYTESCALE_VIEW(mb_ring) BYTESCALE_VIEW(seg_seq) BYTESCALE_VIEW(seg_ring_size)
-      BYTESCALE_VIEW(seg_ring_pos) BYTESCALE_VIEW(seg_tokens) BYTESCALE_VIEW(grp_ranks)
-      BYTESCALE_VIEW(rank_cost)
+      BYTESCALE_VIEW(rank_mb) BYTESCALE_VIEW(mb_seg) BYTESCALE_VIEW(mb_offload)
+      BYTESCALE_VIEW(mb_cost) BYTESCALE_VIEW(mb_tokens) BYTESCALE_VIEW(mb_ring)
+      BYTESCALE_VIEW(ring_grp) BYTESCALE_VIEW(grp_ranks) BYTESCALE_VIEW(seg_seq)
+      BYTESCALE_VIEW(seg_ring_size) BYTESCALE_VIEW(seg_ring_pos) BYTESCALE_VIEW(seg_tokens)
+      BYTESCALE_VIEW(rank_cost) BYTESCALE_VIEW(rank_finish) BYTESCALE_VIEW(rank_idle)
 #undef BYTESCALE_VIEW
       .def("rank_micro_batches", &rankMicroBatches, py::arg("rank"))
       .def("to_bytes",
@@ -116,6 +157,65 @@ void bind_planner(py::module_& m) {
           },
           py::arg("lengths"), py::arg("options"));
 
+  py::class_<ReplayResult, std::shared_ptr<ReplayResult>>(
+      m, "ReplayResult", "A plan replayed in the runtime's model (csrc/planner/replay.h).")
+      .def_readonly("step_time", &ReplayResult::step_time)
+#define BYTESCALE_VIEW(name)                                                   \
+  .def_property_readonly(#name, [](const std::shared_ptr<ReplayResult>& r) { return view(r, r->name); })
+      BYTESCALE_VIEW(mb_start) BYTESCALE_VIEW(mb_end) BYTESCALE_VIEW(rank_finish)
+      BYTESCALE_VIEW(rank_busy) BYTESCALE_VIEW(rank_idle)
+#undef BYTESCALE_VIEW
+      ;
+
+  m.def("replay", &replayPlan, py::arg("plan"), py::arg("durations") = py::none(),
+        "Replays a plan: each rank runs its micro-batches in order, a ring micro-batch starts when "
+        "all its members are free and ends at start + the largest duration among them. "
+        "durations: per micro-batch (indexed like plan.mb_cost), default plan.mb_cost. Raises "
+        "ValueError on a deadlocking order or malformed input.");
+  m.def(
+      "replay_schedule",
+      [](int world_size, Arr<int64_t> rank_mb, Arr<int64_t> mb_ring, Arr<int64_t> ring_grp,
+         Arr<int32_t> grp_ranks, Arr<double> durations) {
+        check1d(rank_mb, "rank_mb");
+        check1d(mb_ring, "mb_ring");
+        check1d(ring_grp, "ring_grp");
+        check1d(grp_ranks, "grp_ranks");
+        check1d(durations, "durations");
+        if (world_size < 1) throw py::value_error("world_size must be >= 1, got " + std::to_string(world_size));
+        if (rank_mb.size() != world_size + 1)
+          throw py::value_error("rank_mb needs world_size + 1 entries, got " + std::to_string(rank_mb.size()));
+        if (ring_grp.size() < 1) throw py::value_error("ring_grp needs rings + 1 entries (at least [0])");
+        planner::ScheduleView v;
+        v.world_size = world_size;
+        v.rank_mb = rank_mb.data();
+        v.num_mb = mb_ring.size();
+        v.mb_ring = mb_ring.data();
+        v.num_rings = ring_grp.size() - 1;
+        v.ring_grp = ring_grp.data();
+        v.grp_ranks = grp_ranks.data();
+        v.num_grp_ranks = grp_ranks.size();
+        const double* d = durations.data();
+        const int64_t n = durations.size();
+        py::gil_scoped_release nogil;
+        return std::make_shared<ReplayResult>(planner::replay(v, d, n));
+      },
+      py::arg("world_size"), py::arg("rank_mb"), py::arg("mb_ring"), py::arg("ring_grp"),
+      py::arg("grp_ranks"), py::arg("durations"),
+      "replay() on raw schedule arrays (a plan's layout): for schedules built outside the planner.");
+  m.def(
+      "lockstep",
+      [](const Plan& p) {
+        LockstepSlots s;
+        {
+          py::gil_scoped_release nogil;
+          s = planner::lockstepSlots(p);
+        }
+        return lockstepArray(s);
+      },
+      py::arg("plan"),
+      "FSDP2 lockstep slots: int64 [world_size, slots], the micro-batch index each rank runs in "
+      "each slot, -1 for an empty (padding) slot. Ring members meet in the same slot.");
+
   py::class_<PlanOptions>(m, "PlanOptions")
       .def(py::init<>())
       .def_readwrite("world_size", &PlanOptions::world_size)
@@ -130,8 +230,15 @@ void bind_planner(py::module_& m) {
 
   m.def(
       "make_plan",
-      [](py::array_t<int64_t, py::array::c_style | py::array::forcecast> lengths,
-         const PlanOptions& opt) {
+      [](const py::array& raw, const PlanOptions& opt) {
+        // Integer arrays only: a float length would be truncated silently by a cast.
+        const char kind = raw.dtype().kind();
+        if (kind != 'i' && kind != 'u')
+          throw py::value_error("make_plan: lengths must be an integer array, got dtype " +
+                                std::string(py::str(raw.dtype())) +
+                                " (bytescale.planner.plan checks and converts every value)");
+        if (raw.ndim() != 1) throw py::value_error("make_plan: lengths must be 1-D");
+        auto lengths = py::cast<Arr<int64_t>>(raw);
         std::vector<int64_t> v(lengths.data(), lengths.data() + lengths.size());
         py::gil_scoped_release nogil;
         return std::make_shared<Plan>(planner::makePlan(v, opt));

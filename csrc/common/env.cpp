@@ -6,6 +6,12 @@
 namespace bytescale {
 namespace env {
 
+void checkAttentionKernel(const std::string& s) {
+  if (s != "auto" && s != "flash" && s != "cudnn" && s != "tiled")
+    throw std::invalid_argument("BYTESCALE_ATTENTION_KERNEL='" + s +
+                                "': expected auto, flash, cudnn or tiled");
+}
+
 Knobs readKnobs() {
   Knobs k;
   if (const char* v = std::getenv("BYTESCALE_CHECK_COLLECTIVES"))
@@ -13,9 +19,7 @@ Knobs readKnobs() {
   if (const char* v = std::getenv("BYTESCALE_ATTENTION_KERNEL")) {
     std::string s(v);
     if (s.empty()) s = "auto";
-    if (s != "auto" && s != "flash" && s != "cudnn" && s != "tiled")
-      throw std::invalid_argument("BYTESCALE_ATTENTION_KERNEL='" + s +
-                                  "': expected auto, flash, cudnn or tiled");
+    checkAttentionKernel(s);
     k.attention_kernel = s;
   }
   return k;

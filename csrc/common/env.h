@@ -23,5 +23,9 @@ const Knobs& knobs();
 // Parses the environment now (tests); `knobs()` keeps its first value.
 Knobs readKnobs();
 
+// Throws std::invalid_argument unless `s` is a valid BYTESCALE_ATTENTION_KERNEL value (also for
+// the programmatic override, attention::setKernelChoice).
+void checkAttentionKernel(const std::string& s);
+
 }  // namespace env
 }  // namespace bytescale

@@ -2,14 +2,8 @@
 
 #include <ATen/ATen.h>
 
-#include <sstream>
-
-#ifdef BYTESCALE_WITH_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <cuda_runtime_api.h>
-#endif
+#include <algorithm>
+#include <cmath>
 
 namespace bytescale {
 namespace offload {
@@ -80,187 +74,78 @@ void HostPool::clear() {
 // ---- Engine ----------------------------------------------------------------------------------------
 
 struct Engine::Entry {
-  at::Tensor host;      // pool buffer (bytes)
-  at::Tensor host_view; // host rows, typed and shaped
-  at::Tensor kept;      // rows [n_off, rows) left on the device
-  at::Tensor restored;  // rows [0, n_off) back on the device
+  at::Tensor host;  // pool buffer (bytes)
+  at::Tensor kept;  // rows [n_off, rows) left on the device
   int64_t n_off = 0, rows = 0;
-  std::mutex m;
-  std::condition_variable cv;
-  bool to_host_done = false, to_dev_started = false, to_dev_done = false;
-  std::exception_ptr err;
-  bool cuda = false;
-  int device = -1;
-#ifdef BYTESCALE_WITH_CUDA
-  cudaEvent_t d2h_done = nullptr, h2d_done = nullptr;
-  ~Entry() {
-    if (d2h_done) cudaEventDestroy(d2h_done);
-    if (h2d_done) cudaEventDestroy(h2d_done);
-  }
-#endif
+  bool to_dev_started = false;  // guarded by Engine::mu_
+  std::unique_ptr<Transfer> xfer;
 };
 
-#ifdef BYTESCALE_WITH_CUDA
-// ---- CUDA path: pinned pool buffers, a D2H and an H2D stream per device, events for every
-// dependency, no host synchronisation. Run on one H200 (tests/test_offload.py, 2026-11-22).
-namespace {
-void cudaCheck(cudaError_t e, const char* what) {
-  TORCH_CHECK(e == cudaSuccess, "bytescale offload: ", what, ": ", cudaGetErrorString(e));
-}
-cudaEvent_t recordOn(const c10::cuda::CUDAStream& s) {
-  cudaEvent_t ev;
-  cudaCheck(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "event create");
-  cudaCheck(cudaEventRecord(ev, s.stream()), "event record");
-  return ev;
-}
-void streamWait(const c10::cuda::CUDAStream& s, cudaEvent_t ev) {
-  cudaCheck(cudaStreamWaitEvent(s.stream(), ev, 0), "stream wait");
-}
-struct CudaStreams {
-  std::mutex mu;
-  std::map<int, std::pair<c10::cuda::CUDAStream, c10::cuda::CUDAStream>> by_device;
-  std::pair<c10::cuda::CUDAStream, c10::cuda::CUDAStream> get(c10::DeviceIndex d) {
-    std::lock_guard<std::mutex> g(mu);
-    auto it = by_device.find(d);
-    if (it == by_device.end())
-      it = by_device.emplace(d, std::make_pair(c10::cuda::getStreamFromPool(false, d),
-                                               c10::cuda::getStreamFromPool(false, d))).first;
-    return it->second;
-  }
-};
-// Process-lifetime singletons, deliberately never destroyed: their destructors would run at exit
-// after torch's CUDA state (stream pools, host allocator) is gone, and freeing a pinned tensor
-// then aborts the process ("Unrecognized stream", seen on an H200 2026-11-22).
-CudaStreams& streams() {
-  static auto* s = new CudaStreams();
-  return *s;
-}
-// Host buffers still read by an in-flight H2D copy return to the pool once its event completed.
-struct Deferred {
-  std::mutex mu;
-  std::vector<std::pair<cudaEvent_t, at::Tensor>> items;
-};
-Deferred& deferred() {
-  static auto* d = new Deferred();
-  return *d;
-}
-void drainDeferred(HostPool& pool) {
-  std::lock_guard<std::mutex> g(deferred().mu);
-  auto& v = deferred().items;
-  for (size_t i = 0; i < v.size();) {
-    cudaError_t q = cudaEventQuery(v[i].first);
-    if (q == cudaSuccess) {
-      cudaEventDestroy(v[i].first);
-      pool.release(std::move(v[i].second));
-      v[i] = std::move(v.back());
-      v.pop_back();
-    } else {
-      if (q == cudaErrorNotReady) (void)cudaGetLastError();
-      ++i;
+Engine::Engine(int64_t pool_limit_bytes) : pool_(pool_limit_bytes) {}
+
+Engine::~Engine() = default;
+
+CopyEngine& Engine::engineFor(const c10::Device& device) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto& e = engines_[device.type()];
+  if (!e) {
+    e = makeCopyEngine(device.type());
+    if (!e) {
+      engines_.erase(device.type());
+      TORCH_CHECK(false, "bytescale offload: no copy engine for ", device, " tensors",
+                  device.is_cuda() ? " (bytescale was built without CUDA)" : "");
     }
   }
+  return *e;
 }
-}  // namespace
-#endif
 
-Engine::Engine(int64_t pool_limit_bytes) : pool_(pool_limit_bytes) {
-  worker_ = std::thread([this] {
-    for (;;) {
-      std::function<void()> job;
-      {
-        std::unique_lock<std::mutex> lk(q_mu_);
-        q_cv_.wait(lk, [&] { return stop_ || !q_.empty(); });
-        if (q_.empty()) return;
-        job = std::move(q_.front());
-        q_.pop_front();
+std::shared_ptr<Engine::Entry> Engine::find(int64_t handle, bool remove) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = entries_.find(handle);
+  TORCH_CHECK(it != entries_.end(), "bytescale offload: unknown handle ", handle);
+  auto e = it->second;
+  if (remove) entries_.erase(it);
+  return e;
+}
+
+void Engine::releaseIdle() {
+  std::vector<at::Tensor> idle;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (size_t i = 0; i < draining_.size();) {
+      if (draining_[i].first->hostIdle()) {
+        idle.push_back(std::move(draining_[i].second));
+        draining_[i] = std::move(draining_.back());
+        draining_.pop_back();
+      } else {
+        ++i;
       }
-      job();
     }
-  });
-}
-
-Engine::~Engine() {
-  {
-    std::lock_guard<std::mutex> g(q_mu_);
-    stop_ = true;
   }
-  q_cv_.notify_all();
-  if (worker_.joinable()) worker_.join();
-}
-
-void Engine::runOnWorker(std::function<void()> fn, std::shared_ptr<Entry> e, bool to_host) {
-  {
-    std::lock_guard<std::mutex> g(q_mu_);
-    q_.push_back([fn = std::move(fn), e, to_host] {
-      std::exception_ptr err;
-      try {
-        fn();
-      } catch (...) {
-        err = std::current_exception();
-      }
-      {
-        std::lock_guard<std::mutex> g(e->m);
-        if (err && !e->err) e->err = err;
-        (to_host ? e->to_host_done : e->to_dev_done) = true;
-      }
-      e->cv.notify_all();
-    });
-  }
-  q_cv_.notify_one();
-}
-
-void Engine::waitStage(Entry& e, bool to_host) {
-  std::unique_lock<std::mutex> lk(e.m);
-  e.cv.wait(lk, [&] { return to_host ? e.to_host_done : e.to_dev_done; });
-  if (e.err) std::rethrow_exception(e.err);
+  for (auto& buf : idle) pool_.release(std::move(buf));
 }
 
 int64_t Engine::offload(const at::Tensor& t, double ratio) {
   TORCH_CHECK(ratio >= 0.0 && ratio <= 1.0, "bytescale offload: ratio ", ratio, " outside [0, 1]");
   TORCH_CHECK(t.dim() >= 1, "bytescale offload: tensors need a sequence dimension, got a scalar");
-#ifndef BYTESCALE_WITH_CUDA
-  TORCH_CHECK(t.device().is_cpu(), "bytescale offload: ", t.device(),
-              " tensors need bytescale built with CUDA");
-#else
-  TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), "bytescale offload: unsupported device ",
-              t.device());
-  drainDeferred(pool_);
-#endif
+  CopyEngine& engine = engineFor(t.device());
+  releaseIdle();
   auto e = std::make_shared<Entry>();
   e->rows = t.size(0);
   e->n_off = std::min<int64_t>(e->rows, static_cast<int64_t>(std::llround(ratio * e->rows)));
   at::Tensor src = t.contiguous();
   const int64_t row_elems = e->rows ? src.numel() / e->rows : 0;
   const int64_t bytes = e->n_off * row_elems * src.element_size();
-  e->cuda = t.device().is_cuda();
-  e->device = e->cuda ? t.device().index() : -1;
-  e->host = pool_.acquire(bytes, /*pinned=*/e->cuda);
+  e->host = pool_.acquire(bytes, engine.pinnedHost());
   std::vector<int64_t> shape(src.sizes().begin(), src.sizes().end());
   shape[0] = e->n_off;
-  e->host_view = e->host.narrow(0, 0, bytes).view(src.scalar_type()).view(shape);
+  at::Tensor host_rows = e->host.narrow(0, 0, bytes).view(src.scalar_type()).view(shape);
   if (e->n_off < e->rows) e->kept = src.narrow(0, e->n_off, e->rows - e->n_off).clone();
-  at::Tensor head = src.narrow(0, 0, e->n_off);
-  at::Tensor dst = e->host_view;
-  if (e->cuda) {
-#ifdef BYTESCALE_WITH_CUDA
-    const auto dev = src.device().index();
-    c10::cuda::CUDAGuard guard(dev);
-    auto [d2h, h2d] = streams().get(dev);
-    (void)h2d;
-    cudaEvent_t ready = recordOn(c10::cuda::getCurrentCUDAStream(dev));
-    streamWait(d2h, ready);
-    cudaEventDestroy(ready);
-    {
-      c10::cuda::CUDAStreamGuard sg(d2h);
-      dst.copy_(head, /*non_blocking=*/true);
-    }
-    // head's memory may be freed by its owner now: the allocator waits for the D2H stream.
-    c10::cuda::CUDACachingAllocator::recordStream(head.storage().data_ptr(), d2h);
-    e->d2h_done = recordOn(d2h);
-    e->to_host_done = true;  // ordering is carried by the event from here on
-#endif
-  } else {
-    runOnWorker([dst, head]() mutable { dst.copy_(head); }, e, /*to_host=*/true);
+  try {
+    e->xfer = engine.toHost(src.narrow(0, 0, e->n_off), host_rows);
+  } catch (...) {
+    pool_.release(std::move(e->host));
+    throw;
   }
   std::lock_guard<std::mutex> g(mu_);
   const int64_t h = next_++;
@@ -270,75 +155,27 @@ int64_t Engine::offload(const at::Tensor& t, double ratio) {
 }
 
 void Engine::prefetch(int64_t handle) {
-  std::shared_ptr<Entry> e;
+  auto e = find(handle, /*remove=*/false);
   {
     std::lock_guard<std::mutex> g(mu_);
-    auto it = entries_.find(handle);
-    TORCH_CHECK(it != entries_.end(), "bytescale offload: unknown handle ", handle);
-    e = it->second;
-  }
-  {
-    std::lock_guard<std::mutex> g(e->m);
     if (e->to_dev_started) return;
     e->to_dev_started = true;
   }
-  if (e->cuda) {
-#ifdef BYTESCALE_WITH_CUDA
-    const auto dev = static_cast<c10::DeviceIndex>(e->device);
-    c10::cuda::CUDAGuard guard(dev);
-    auto [d2h, h2d] = streams().get(dev);
-    (void)d2h;
-    streamWait(h2d, e->d2h_done);
-    {
-      c10::cuda::CUDAStreamGuard sg(h2d);
-      e->restored = at::empty(e->host_view.sizes(),
-                              e->host_view.options().device(c10::Device(c10::DeviceType::CUDA, dev)).pinned_memory(false));
-      e->restored.copy_(e->host_view, /*non_blocking=*/true);
-    }
-    e->h2d_done = recordOn(h2d);
-    std::lock_guard<std::mutex> g(e->m);
-    e->to_dev_done = true;
-#endif
-    return;
-  }
-  // The worker runs jobs in order, so the copy back starts after the copy out finished.
-  auto ep = e.get();
-  runOnWorker([ep]() { ep->restored = ep->host_view.clone(); }, e, /*to_host=*/false);
+  e->xfer->toDevice();
 }
 
 at::Tensor Engine::fetch(int64_t handle) {
   prefetch(handle);
-  std::shared_ptr<Entry> e;
-  {
+  auto e = find(handle, /*remove=*/true);
+  at::Tensor restored = e->xfer->restored();  // on a copy error the buffer is not reused
+  at::Tensor out = e->kept.defined() ? (e->n_off ? at::cat({restored, e->kept}, 0) : e->kept)
+                                     : restored;
+  if (e->xfer->hostIdle()) {
+    pool_.release(std::move(e->host));
+  } else {  // the copy back may still read the host buffer: it returns to the pool later
     std::lock_guard<std::mutex> g(mu_);
-    e = entries_.at(handle);
-    entries_.erase(handle);
+    draining_.emplace_back(std::move(e->xfer), std::move(e->host));
   }
-  waitStage(*e, /*to_host=*/true);
-  waitStage(*e, /*to_host=*/false);
-#ifdef BYTESCALE_WITH_CUDA
-  if (e->cuda) {
-    const auto dev = e->restored.device().index();
-    c10::cuda::CUDAGuard guard(dev);
-    auto cur = c10::cuda::getCurrentCUDAStream(dev);
-    streamWait(cur, e->h2d_done);  // GPU-side: the consumer's stream waits for the H2D copy
-    c10::cuda::CUDACachingAllocator::recordStream(e->restored.storage().data_ptr(), cur);
-    at::Tensor out = e->kept.defined() ? (e->n_off ? at::cat({e->restored, e->kept}, 0) : e->kept)
-                                       : e->restored;
-    // The pinned buffer is reusable once the H2D copy finished: hand it back lazily.
-    cudaEvent_t done;
-    cudaCheck(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "event create");
-    cudaCheck(cudaEventRecord(done, streams().get(dev).second.stream()), "event record");
-    {
-      std::lock_guard<std::mutex> g(deferred().mu);
-      deferred().items.emplace_back(done, std::move(e->host));
-    }
-    return out;
-  }
-#endif
-  at::Tensor out = e->kept.defined() ? (e->n_off ? at::cat({e->restored, e->kept}, 0) : e->kept)
-                                     : e->restored;
-  pool_.release(std::move(e->host));
   return out;
 }
 
@@ -351,16 +188,7 @@ void Engine::discard(int64_t handle) {
     e = it->second;
     entries_.erase(it);
   }
-  waitStage(*e, /*to_host=*/true);
-  {
-    std::unique_lock<std::mutex> lk(e->m);
-    if (e->to_dev_started) e->cv.wait(lk, [&] { return e->to_dev_done; });
-  }
-#ifdef BYTESCALE_WITH_CUDA
-  // Rare path: make sure no copy still touches the pinned buffer before it is reused.
-  if (e->d2h_done) cudaEventSynchronize(e->d2h_done);
-  if (e->h2d_done) cudaEventSynchronize(e->h2d_done);
-#endif
+  e->xfer->waitHostIdle();  // rare path: no copy may touch the buffer once it is reused
   pool_.release(std::move(e->host));
 }
 

@@ -2,30 +2,28 @@
 //
 // offload(t, ratio) copies the leading `ratio` share of t's first (sequence) dimension to host
 // memory and keeps the rest on the device; prefetch(h) starts the copy back; fetch(h) returns the
-// reassembled tensor (bit-identical to t). Copies run off the caller's thread of execution:
-//   CUDA tensors: on a dedicated D2H and a dedicated H2D stream per device, ordered by events, into
-//                 pinned memory, without host synchronisation on the hot path; pinned buffers go
-//                 back to the pool when their H2D copy's event completes (compiled; NOT yet run on
-//                 a GPU: none was lent);
-//   CPU tensors:  on a copy worker thread (host-to-host), so the same bookkeeping is tested in CI.
+// reassembled tensor (bit-identical to t). The copies run off the caller's thread of execution,
+// on the copy engine of the tensor's device type (copy_engine.h): a worker thread for CPU tensors,
+// dedicated D2H / H2D streams and events for CUDA tensors (csrc/cuda/offload/). A host buffer goes
+// back to the pool once its engine reports that no copy touches it any more.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
-#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <thread>
 #include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "offload/copy_engine.h"
 
 namespace bytescale {
 namespace offload {
 
-// Size-bucketed cache of host buffers (pinned when the source is a CUDA tensor). Buffers return to
+// Size-bucketed cache of host buffers (pinned when the copy engine asks for it). Buffers return to
 // the pool and are reused; `limit_bytes` (0: none) caps what the pool may reserve.
 class HostPool {
  public:
@@ -62,20 +60,19 @@ class Engine {
 
  private:
   struct Entry;
-  void runOnWorker(std::function<void()> fn, std::shared_ptr<Entry> e, bool to_host);
-  void waitStage(Entry& e, bool to_host);
+  std::shared_ptr<Entry> find(int64_t handle, bool remove);
+  CopyEngine& engineFor(const c10::Device& device);
+  // Returns host buffers whose copies finished to the pool (buffers of fetched entries whose copy
+  // back may still be reading them).
+  void releaseIdle();
 
   HostPool pool_;
   mutable std::mutex mu_;
+  std::map<c10::DeviceType, std::unique_ptr<CopyEngine>> engines_;  // made on first use
   std::unordered_map<int64_t, std::shared_ptr<Entry>> entries_;
+  std::vector<std::pair<std::unique_ptr<Transfer>, at::Tensor>> draining_;
   int64_t next_ = 1;
   int64_t offloaded_bytes_ = 0;
-  // CPU copy worker
-  std::mutex q_mu_;
-  std::condition_variable q_cv_;
-  std::deque<std::function<void()>> q_;
-  bool stop_ = false;
-  std::thread worker_;
 };
 
 }  // namespace offload

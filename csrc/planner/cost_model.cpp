@@ -28,18 +28,24 @@ void CostModel::validate() const {
     os << "cost model: " << f << " = " << v << " must be " << need;
     throw std::invalid_argument(os.str());
   };
-  if (!(a1 >= 0) || !std::isfinite(a1)) bad("a1", a1, ">= 0");
-  if (!(b1 >= 0) || !std::isfinite(b1)) bad("b1", b1, ">= 0");
-  if (!(g >= 0) || !std::isfinite(g)) bad("g", g, ">= 0");
+  auto nonneg = [&](const char* f, double v) {
+    if (!(v >= 0) || !std::isfinite(v)) bad(f, v, "finite and >= 0");
+  };
+  auto positive = [&](const char* f, double v) {
+    if (!(v > 0) || !std::isfinite(v)) bad(f, v, "finite and > 0");
+  };
+  nonneg("a1", a1);
+  nonneg("b1", b1);
+  nonneg("g", g);
   if (a1 == 0 && b1 == 0 && g == 0) bad("a1+b1+g", 0, "> 0 (every sequence would cost nothing)");
-  if (!(a2 > 0) || !std::isfinite(a2)) bad("a2", a2, "> 0");
-  if (!(b2 >= 0) || !std::isfinite(b2)) bad("b2", b2, ">= 0");
+  positive("a2", a2);
+  nonneg("b2", b2);
   if (layers < 1) bad("layers", layers, ">= 1");
-  if (!(bw_d2h > 0)) bad("bw_d2h", bw_d2h, "> 0");
-  if (!(bw_h2d > 0)) bad("bw_h2d", bw_h2d, "> 0");
-  if (!(ring_bw > 0)) bad("ring_bw", ring_bw, "> 0");
-  if (!(ring_latency >= 0)) bad("ring_latency", ring_latency, ">= 0");
-  if (!(kv_bytes_per_token >= 0)) bad("kv_bytes_per_token", kv_bytes_per_token, ">= 0");
+  positive("bw_d2h", bw_d2h);
+  positive("bw_h2d", bw_h2d);
+  positive("ring_bw", ring_bw);
+  nonneg("ring_latency", ring_latency);
+  nonneg("kv_bytes_per_token", kv_bytes_per_token);
 }
 
 namespace {
@@ -120,7 +126,14 @@ CostModel CostModel::fromJson(const std::string& text) {
         else if (key == "g") m.g = v;
         else if (key == "a2") m.a2 = v;
         else if (key == "b2") m.b2 = v;
-        else if (key == "layers") m.layers = static_cast<int>(v);
+        else if (key == "layers") {
+          if (!(v >= 1 && v <= 1e6) || v != std::floor(v)) {
+            std::ostringstream os;
+            os << "cost model JSON: layers = " << v << " must be an integer in [1, 1e6]";
+            throw std::invalid_argument(os.str());
+          }
+          m.layers = static_cast<int>(v);
+        }
         else if (key == "bw_d2h") m.bw_d2h = v;
         else if (key == "bw_h2d") m.bw_h2d = v;
         else if (key == "ring_bw") m.ring_bw = v;

@@ -5,16 +5,22 @@
 //     this rank holding zig-zag chunks (pos, 2D-1-pos) (csrc/attention/zigzag.h), with the
 //     offload ratio its activations need; or
 //   * a local micro-batch: whole sequences packed up to the rank's token capacity.
-// Ring micro-batches come first on every rank, in one global order, so every member of a group
-// reaches a group's micro-batch after the same earlier groups (no deadlock, similar arrival).
+// A rank's list is its execution order (the runtime runs it as is). Local micro-batches may sit
+// between ring ones; every member lists a group's ring micro-batches in increasing global ring id
+// (Plan::mb_ring), which is what makes every order the planner emits deadlock-free.
+//
+// The model of a step the plan is optimised for and judged by (csrc/planner/replay.h): each rank
+// runs its list in order, a ring micro-batch starts when all its members are free, the step ends
+// when the last rank does. Plan::makespan is that synchronised step time, replayed with the cost
+// model's predictions; Plan::rank_cost is each rank's busy time (the sum of its costs).
 //
 // Strategies:
 //   naive    - the paper's Alg. 1: ranks per long sequence from memory (Eq. 3 with offloading),
-//              short sequences best-fit into capacity-sized bins, everything balanced by TOKENS.
-//   balanced - ours: balanced by predicted TIME (cost model): D(s) may grow beyond the memory
-//              minimum when a sequence's per-rank time would exceed the step's target, long
-//              sequences go to the least-loaded ranks, short ones by longest-processing-time
-//              first onto the rank that finishes earliest (speed-aware), then packed per rank.
+//              short sequences best-fit into capacity-sized bins, everything balanced by TOKENS;
+//              rings first, locals after.
+//   balanced - ours, sync-aware (balanced.cpp): places rings on a timeline of when each rank is
+//              free, with ring sizes (any integer) chosen by cost so that members arrive together,
+//              then fits local sequences into the waits and tails that remain, longest first.
 //   pow2     - a Megatron-style dynamic CP baseline: like naive but D rounded up to a power of 2.
 #pragma once
 
@@ -45,33 +51,51 @@ struct PlanOptions {
 struct Plan {
   int world_size = 0;
   std::string strategy;
-  // rank r's micro-batches are [rank_mb[r], rank_mb[r+1])
+  // rank r's micro-batches are [rank_mb[r], rank_mb[r+1]), in execution order
   std::vector<int64_t> rank_mb;
-  // micro-batch m: segments [mb_seg[m], mb_seg[m+1]), group ranks [mb_grp[m], mb_grp[m+1])
+  // micro-batch m: segments [mb_seg[m], mb_seg[m+1])
   std::vector<int64_t> mb_seg;
-  std::vector<int64_t> mb_grp;
   std::vector<double> mb_offload;  // offload ratio r of the micro-batch (0 = none)
   std::vector<double> mb_cost;     // predicted time on its rank (seconds)
   std::vector<int64_t> mb_tokens;  // tokens held by the rank in this micro-batch
-  std::vector<int64_t> mb_ring;    // global order of ring micro-batches (-1: local)
+  std::vector<int64_t> mb_ring;    // ring id of a ring micro-batch (0 .. rings-1), -1: local
+  // ring k (one entry per ring, shared by its members' micro-batches): its group, in ring order,
+  // is grp_ranks[ring_grp[k] .. ring_grp[k+1]). Ring ids give the global ring order.
+  std::vector<int64_t> ring_grp;
+  std::vector<int32_t> grp_ranks;
   // segment k: sequence index (position in the input), ring size, ring position, tokens held
   std::vector<int64_t> seg_seq;
   std::vector<int32_t> seg_ring_size;
   std::vector<int32_t> seg_ring_pos;
   std::vector<int64_t> seg_tokens;
-  std::vector<int32_t> grp_ranks;
-  // predictions
-  std::vector<double> rank_cost;
-  double makespan = 0, mean_cost = 0, imbalance = 1, lower_bound = 0;
+  // predictions (cost model; the replay of csrc/planner/replay.h with durations = mb_cost)
+  std::vector<double> rank_cost;    // busy time: sum of the rank's micro-batch costs
+  std::vector<double> rank_finish;  // when the rank finishes its last micro-batch (replayed)
+  std::vector<double> rank_idle;    // makespan - rank_cost: waits for ring partners + tail
+  double makespan = 0;              // synchronised step time: max of rank_finish
+  double max_busy = 0;              // max of rank_cost (the step if ranks never waited)
+  double mean_cost = 0;             // mean of rank_cost
+  double imbalance = 1;             // makespan / mean_cost
+  double lower_bound = 0;           // max of the parts below: no plan can beat it (bound.h)
+  double bound_work = 0;            // total work / total speed
+  double bound_piece = 0;           // largest indivisible piece (best ring size, comm included)
+  double bound_waves = 0;           // wide rings that cannot all run at once
   int64_t num_sequences = 0;
 
   int64_t numMicroBatches() const { return static_cast<int64_t>(mb_tokens.size()); }
+  int64_t numRings() const { return ring_grp.empty() ? 0 : static_cast<int64_t>(ring_grp.size()) - 1; }
+
+  // Throws std::invalid_argument naming the first problem if the arrays do not form a plan
+  // (sizes, monotone offsets, indices in range, segment counts of ring micro-batches). Cheap;
+  // deserialize() runs it, so a corrupt byte string is an error, never a crash later.
+  void checkStructure() const;
 
   std::vector<uint8_t> serialize() const;
   static Plan deserialize(const uint8_t* data, size_t size);
 
   // Checks every invariant against the input (every token once, capacities after offload,
-  // consistent ring order, stats); throws std::logic_error describing the first violation.
+  // ring ids increasing along every rank's list, the replay's stats); throws std::logic_error
+  // describing the first violation.
   void verify(const std::vector<int64_t>& lengths, const PlanOptions& opt) const;
 };
 

@@ -22,10 +22,8 @@ struct Tok {
 std::vector<Tok> shardTokens(const std::vector<int64_t>& lens, int64_t n, int64_t i) {
   std::vector<Tok> t;
   for (size_t d = 0; d < lens.size(); ++d)
-    for (int64_t c : {i, 2 * n - 1 - i}) {
-      auto [a, b] = zigzag::chunk(lens[d], n, c);
+    for (const auto& [a, b] : zigzag::local_ranges(lens[d], n, i))
       for (int64_t p = a; p < b; ++p) t.push_back({static_cast<int64_t>(d), p});
-    }
   return t;
 }
 
@@ -51,6 +49,28 @@ Pairs fromPlan(const BlockPlan& p) {
 }
 
 }  // namespace
+
+// local_ranges (the order of a rank's tokens, used by the plans and the token metadata): chunk i
+// then chunk 2N-1-i, the positions of all ranks together cover every token exactly once, and
+// local_tokens / shard_tokens count the same tokens.
+TEST(ZigZag, LocalRangesCoverEveryTokenOnceInChunkOrder) {
+  for (int64_t n = 1; n <= 6; ++n)
+    for (int64_t s = 0; s <= 4 * n + 3; ++s) {
+      std::vector<int> seen(s, 0);
+      for (int64_t i = 0; i < n; ++i) {
+        const auto r = zigzag::local_ranges(s, n, i);
+        EXPECT_EQ(r[0], zigzag::chunk(s, n, i));
+        EXPECT_EQ(r[1], zigzag::chunk(s, n, 2 * n - 1 - i));
+        int64_t count = 0;
+        for (const auto& [a, b] : r)
+          for (int64_t p = a; p < b; ++p, ++count) ++seen[p];
+        EXPECT_EQ(count, zigzag::local_tokens(s, n, i));
+        EXPECT_EQ(zigzag::shard_tokens({s, 2 * s + 1, 0}, n, i),
+                  count + zigzag::local_tokens(2 * s + 1, n, i));
+      }
+      for (int64_t p = 0; p < s; ++p) ASSERT_EQ(seen[p], 1) << "s=" << s << " n=" << n << " p=" << p;
+    }
+}
 
 TEST(BlockPlan, ZigzagMatchesBruteForceMask) {
   std::mt19937_64 rng(7);

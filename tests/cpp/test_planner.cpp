@@ -64,10 +64,10 @@ TEST(Planner, AnyGroupSizeNotPowerOfTwo) {
   o.capacity = 8000;
   o.strategy = Strategy::kNaive;
   Plan p = makePlan({312000}, o);  // the paper's example: 39 ranks
-  EXPECT_EQ(p.mb_grp[1] - p.mb_grp[0], 39);
+  EXPECT_EQ(p.ring_grp[1] - p.ring_grp[0], 39);
   o.strategy = Strategy::kPow2;
   Plan q = makePlan({312000}, o);
-  EXPECT_EQ(q.mb_grp[1] - q.mb_grp[0], 64);
+  EXPECT_EQ(q.ring_grp[1] - q.ring_grp[0], 64);
 }
 
 TEST(Planner, Errors) {

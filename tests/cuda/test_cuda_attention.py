@@ -84,14 +84,25 @@ def test_virtual_ring_flash_matches_float64(dtype, case, causal):
             assert err < max(4 * y, 2e-3), f"n={n} {name}: {err:.2e} vs torch's own {y:.2e}"
 
 
+@pytest.fixture
+def kernel_choice():
+    """Sets the attention kernel choice (BYTESCALE_ATTENTION_KERNEL is read once per process);
+    the previous choice is restored afterwards."""
+    import bytescale._C as C
+
+    before = C.attention.kernel_choice()
+    yield C.attention.set_kernel_choice
+    C.attention.set_kernel_choice(before)
+
+
 @pytest.mark.parametrize("causal", [True, False])
-def test_cudnn_steps_match_float64(monkeypatch, causal):
+def test_cudnn_steps_match_float64(kernel_choice, causal):
     """Long segments go to cuDNN's fused attention (one dense call per segment, GQA heads
     expanded); shorter steps of the same ring fall back to flash. Both against float64."""
     import bytescale._C as C
     from bytescale.attention import shard_order, unshard_order, virtual_ring_attention
 
-    monkeypatch.setenv("BYTESCALE_ATTENTION_KERNEL", "cudnn")
+    kernel_choice("cudnn")
     lens, hq, hkv, d = [9000, 2500], 4, 2, 128
     q64, k64, v64, dout = _inputs(lens, hq, hkv, d, torch.bfloat16, seed=21)
     q, k, v = (x.to(torch.bfloat16) for x in (q64, k64, v64))
@@ -107,7 +118,7 @@ def test_cudnn_steps_match_float64(monkeypatch, causal):
     assert not C.attention.cudnn_failed(), "cuDNN rejected the configuration (flash was used)"
 
 
-def test_fused_and_tiled_kernels_agree(monkeypatch):
+def test_fused_and_tiled_kernels_agree(kernel_choice):
     from bytescale.attention import shard_order, virtual_ring_attention
 
     lens = [1500, 301]
@@ -115,7 +126,7 @@ def test_fused_and_tiled_kernels_agree(monkeypatch):
     q, k, v = (x.to(torch.bfloat16) for x in (q64, k64, v64))
     qs, ks, vs = (shard_order(x, lens, 4) for x in (q, k, v))
     fused = virtual_ring_attention(qs, ks, vs, lens, 4)
-    monkeypatch.setenv("BYTESCALE_ATTENTION_KERNEL", "tiled")
+    kernel_choice("tiled")
     tiled = virtual_ring_attention(qs, ks, vs, lens, 4)
     assert _rel(fused, tiled) < 1e-2
 

@@ -6,7 +6,7 @@ import torch
 
 from bytescale.attention import zigzag
 from bytescale.config import LoaderConfig, PlannerConfig
-from bytescale.data import IGNORE_INDEX, GlobalBatchSampler, HDPLoader, lockstep_schedule, materialize
+from bytescale.data import IGNORE_INDEX, GlobalBatchSampler, HDPLoader, materialize
 from bytescale.data.dataset import InMemoryTokens, SyntheticTokens
 from bytescale.planner import DocRef, MicroBatchPlan
 
@@ -120,26 +120,27 @@ def test_sampler_budget_and_epochs():
     assert sorted(seen[:4]) != [] and set(seen) == {0, 1, 2, 3}
 
 
-def test_lockstep_schedule_aligns_rings_and_pads():
-    def ring_mb(rank, ring, ring_id, bp):
-        return MicroBatchPlan(rank, 0, sharded=(DocRef(bp, bp, 50),), ring=ring,
-                              ring_pos=ring.index(rank), ring_id=ring_id)
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_lockstep_slots_align_rings_and_pad(world):
+    """FSDP2 lockstep (the plan's C++ slots): same number of slots everywhere, ring members in the
+    same slot, ring order and every micro-batch kept."""
+    from bytescale.planner import plan
 
-    def L(rank, i):
-        return MicroBatchPlan(rank, 1, local=(DocRef(i, i, 5),))
-
-    per_rank = [[ring_mb(0, (0, 2), 0, 0), L(0, 3), L(0, 4)], [ring_mb(1, (1, 2), 1, 1), L(1, 5)],
-                [ring_mb(2, (0, 2), 0, 0), ring_mb(2, (1, 2), 1, 1)]]
-    out = lockstep_schedule(per_rank)
+    lengths = [211, 97, 13, 7, 45, 3, 130, 31, 64, 9, 150, 22, 5, 77, 1, 40]
+    p = plan(lengths, world_size=world, capacity=-(-max(lengths) // world) + 10)
+    out = [p.lockstep_micro_batches(r) for r in range(world)]
     assert len({len(x) for x in out}) == 1  # same number of slots everywhere
     for k in range(len(out[0])):
         rings = {}
-        for r in range(3):
-            g = out[r][k].ring
-            if g:
-                rings.setdefault(g, []).append(r)
+        for r in range(world):
             assert out[r][k].index == k and out[r][k].rank == r
-        for g, members in rings.items():  # every member of a ring is in that ring at slot k
+            if out[r][k].ring:
+                rings.setdefault((out[r][k].ring, out[r][k].ring_id), []).append(r)
+        for (g, _), members in rings.items():  # every member of a ring is in that ring at slot k
             assert sorted(members) == sorted(g)
-    assert [m.ring for m in out[2] if m.ring] == [(0, 2), (1, 2)]  # ring order kept
-    assert sum(1 for m in out[0] if m.local) == 2 and sum(1 for m in out[1] if m.local) == 1
+    for r in range(world):
+        real = p.micro_batches(r)
+        kept = [m for m in out[r] if not m.is_empty]
+        key = lambda m: (m.ring_id, [d.batch_pos for d in m.documents])  # noqa: E731
+        assert sorted(map(key, kept)) == sorted(map(key, real))
+        assert [m.ring_id for m in kept if m.is_ring] == [m.ring_id for m in real if m.is_ring]

@@ -1,10 +1,11 @@
-// Row gather / scatter-add through segment tables and the log-sum-exp merge (attention_kernels.h).
+// Row gather / scatter-add through segment tables and the log-sum-exp merge (kernels.h).
 // All three are memory-bound: each moves every byte once, in 16-byte vectors where the rows allow
 // (gather) or with consecutive lanes on consecutive elements (merge, scatter-add).
-#include "cuda/attention_kernels.h"
+#include "cuda/attention/kernels.h"
 
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
@@ -174,6 +175,17 @@ void mergeLse(at::Tensor& out, at::Tensor& lse, const at::Tensor& out_b, const a
         lse_b.const_data_ptr<float>(), tp, nseg, rows, out.size(0), heads, dim);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+int computeCapabilityMajor(const c10::Device& device) {
+  if (!device.is_cuda()) return 0;
+  const int index = device.has_index() ? device.index() : c10::cuda::current_device();
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return major;
 }
 
 }  // namespace cuda
