@@ -24,7 +24,8 @@ import torch.nn as nn
 from .config import ConfigError, TrainConfig
 from .metrics import FlopsModel
 
-__all__ = ["ModelInfo", "SplitDocuments", "build_dataset", "build_model", "parallelize", "is_hf_config"]
+__all__ = ["ModelInfo", "DocumentView", "LengthRecorder", "build_dataset", "open_service", "build_model",
+           "parallelize", "build_optimizer", "is_hf_config"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 _HF_ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -34,21 +35,28 @@ _HF_ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
 
 # -- data -----------------------------------------------------------------------------------------
 
-class SplitDocuments:
-    """A token dataset whose documents longer than ``max_length`` are cut into consecutive pieces
-    of at most ``max_length`` tokens (no token dropped; ids are piece ids)."""
+class DocumentView:
+    """A token dataset seen through two length rules (ids are piece ids; every kept token is read
+    from the base dataset):
 
-    def __init__(self, base: Any, max_length: int) -> None:
+    * ``length_scale`` < 1 keeps the first ``ceil(length x scale)`` tokens of each document: the
+      corpus' length distribution, shifted down, at CPU scale (like the synthetic corpus' 1/512);
+    * documents longer than ``max_length`` are cut into consecutive pieces of at most
+      ``max_length`` tokens (no token dropped).
+    """
+
+    def __init__(self, base: Any, max_length: int, length_scale: float = 1.0) -> None:
         lengths = getattr(base, "lengths", None)
         lens = np.asarray(lengths if lengths is not None else [base.length(i) for i in range(len(base))],
                           dtype=np.int64)
+        if length_scale < 1.0:
+            lens = np.maximum(1, np.ceil(lens * length_scale)).astype(np.int64)
         pieces = np.maximum(1, -(-lens // max_length))
         self.base = base
         self.doc = np.repeat(np.arange(len(lens)), pieces)
         first = np.repeat(np.cumsum(pieces) - pieces, pieces)
         self.start = (np.arange(len(self.doc)) - first) * max_length
         self.lengths = np.minimum(lens[self.doc] - self.start, max_length).astype(np.int64)
-        self.vocab_size = getattr(base, "vocab_size", None)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -61,11 +69,27 @@ class SplitDocuments:
         return self.base.tokens(int(self.doc[idx]), off + start, off + end)
 
 
-def build_dataset(cfg: TrainConfig, max_len: int) -> Tuple[Any, int, str]:
-    """(dataset, vocab size or 0, description); documents longer than ``max_len`` are split.
+SplitDocuments = DocumentView
 
-    The data service (``--data-spec``) is not here.
-    """
+
+def _store_vocab(path: str, store: Any) -> int:
+    """The vocabulary of a token store: prepare's summary.json, else its token dtype's range."""
+    import json
+
+    summary = Path(path) / "summary.json"
+    if summary.is_file():
+        try:
+            v = int(json.loads(summary.read_text()).get("vocab_size") or 0)
+            if v:
+                return v
+        except (ValueError, OSError):
+            pass
+    return 256 if np.dtype(store.dtype).itemsize == 1 else 0
+
+
+def build_dataset(cfg: TrainConfig, max_len: int) -> Tuple[Any, int, str]:
+    """(dataset, vocab size or 0, description) for ``--data``; documents longer than ``max_len``
+    are split. The data service (``--data-spec``) is :func:`open_service`."""
     path = cfg.data.path
     if path is None:
         raise ConfigError("no data: give --data DIR (a token store), --data synthetic:byted, "
@@ -85,15 +109,73 @@ def build_dataset(cfg: TrainConfig, max_len: int) -> Tuple[Any, int, str]:
     if not Path(path).is_dir():
         raise ConfigError(f"data.path {path!r}: not a directory (a token store from "
                           "python -m bytescale.data.prepare) and not synthetic:CORPUS")
+    from ..data import TokenStore
+
     try:
-        from ..data import TokenStore  # the data service's token store (issue 12)
-    except ImportError:
-        raise ConfigError("data.path: reading a token store needs bytescale.data.TokenStore, "
-                          "which this installation lacks") from None
-    store = TokenStore(path)
-    vocab = int(getattr(store, "vocab_size", 0) or 0)
-    ds = SplitDocuments(store, max_len)
-    return ds, vocab, f"token store {path}: {len(store)} documents, {len(ds)} pieces of <= {max_len} tokens"
+        store = TokenStore(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.path {path!r}: not a readable token store ({e})") from None
+    ds = DocumentView(store, max_len, cfg.data.length_scale)
+    scale = f", lengths x {cfg.data.length_scale:g}" if cfg.data.length_scale < 1 else ""
+    return ds, _store_vocab(path, store), (f"token store {path}: {len(store)} documents{scale} -> {len(ds)} "
+                                           f"documents of <= {max_len} tokens")
+
+
+class LengthRecorder:
+    """A :class:`~bytescale.data.BatchSource` that remembers each global batch's lengths (for the
+    FLOP count), delegating everything else."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self.lengths: Dict[int, Tuple[int, ...]] = {}
+
+    def next_batch(self):
+        b = self.source.next_batch()
+        self.lengths[b.step] = tuple(b.lengths)
+        if len(self.lengths) > 16:
+            self.lengths.pop(min(self.lengths))
+        return b
+
+    def tokens(self, sample_id: int, start: int, end: int) -> torch.Tensor:
+        return self.source.tokens(sample_id, start, end)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.source.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.source.load_state_dict(state)
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def open_service(cfg: TrainConfig, rank: int):
+    """``--data-spec``: rank 0 starts the data service (local engine), every rank connects.
+
+    Returns (service on rank 0 else None, this rank's client, the spec's longest document or 0).
+    """
+    import torch.distributed as dist
+
+    from ..data import DataService, MixingSpec, connect
+
+    svc, msg, address, longest = None, None, None, 0
+    if rank == 0:
+        try:
+            spec = MixingSpec.load(cfg.data.spec)
+            maxes = [s.max_length for s in spec.sources]
+            longest = max(maxes) if all(m is not None for m in maxes) else 0
+            if spec.curriculum and spec.curriculum[-1].until_step is None:
+                longest = min(longest or spec.curriculum[-1].max_length, spec.curriculum[-1].max_length)
+            svc = DataService(spec, tokens_per_batch=cfg.data.tokens_per_batch, seed=cfg.data.seed,
+                              workers=cfg.data.workers)
+            address = svc.address
+        except (OSError, ValueError, RuntimeError, TimeoutError) as e:
+            msg = f"data.spec {cfg.data.spec!r}: {e}"
+    box = [msg, address, longest]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise ConfigError(box[0])
+    return svc, LengthRecorder(connect(box[1])), int(box[2])
 
 
 # -- model ----------------------------------------------------------------------------------------

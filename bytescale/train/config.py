@@ -51,11 +51,14 @@ class DataConfig:
     tokens_per_batch: int = _f(16384, "global batch size in tokens", min=1)
     seed: int = _f(0, "seed of the global batch order")
     max_length: int = _f(0, "longer documents are split into pieces of at most this many tokens "
-                            "(0: capacity x world size, the longest a plan can hold)", min=0)
+                            "(0: capacity x world size, the longest a plan can hold; a resumed run "
+                            "keeps its checkpoint's)", min=0)
+    length_scale: float = _f(1.0, "token store: keep the first ceil(length x scale) tokens of each "
+                                  "document (the length distribution at CPU scale)", min=0.0)
     synthetic_docs: int = _f(4000, "number of sequences of a synthetic corpus", min=1)
     synthetic_scale: float = _f(1 / 512, "length scale of a synthetic corpus", min=0.0)
     prefetch: bool = _f(True, "prepare the next step while this one trains")
-    workers: int = _f(1, "source workers of the data service (--data-spec)", min=1)
+    workers: int = _f(1, "source workers per source of the data service (--data-spec)", min=1)
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,9 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    steps: int = _f(100, "total training steps (a resumed run continues up to this)", min=1)
+    steps: int = _f(100, "total training steps: the LR schedule's length (a resumed run continues up to this)", min=1)
+    stop_after: int = _f(0, "stop after this step of the schedule (0: at train.steps), saving a checkpoint "
+                            "if checkpoint.dir is set", min=0)
     device: str = _f("auto", "cpu, cuda or auto (cuda when available)", choices=("auto", "cpu", "cuda"))
     bf16: bool = _f(False, "bf16 autocast (mixed precision; parameters and gradients stay in model.dtype)")
     activation_checkpointing: bool = _f(False, "recompute each block in backward")
@@ -170,6 +175,10 @@ class TrainConfig:
         if self.hdp.static_cp and self.hdp.strategy != "static":
             raise ConfigError(f"hdp.static_cp={self.hdp.static_cp} applies to hdp.strategy=static only "
                               f"(strategy is {self.hdp.strategy!r})")
+        if self.train.stop_after > self.train.steps:
+            raise ConfigError(f"train.stop_after {self.train.stop_after} is beyond train.steps {self.train.steps}")
+        if not 0 < self.data.length_scale <= 1:
+            raise ConfigError(f"data.length_scale must be in (0, 1], got {self.data.length_scale}")
         if self.optim.min_lr_ratio > 1:
             raise ConfigError(f"optim.min_lr_ratio must be <= 1, got {self.optim.min_lr_ratio}")
 

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .build import build_dataset, build_model, build_optimizer, parallelize
+from .build import LengthRecorder, build_dataset, build_model, build_optimizer, open_service, parallelize
 from .checkpoint import AppState, Checkpointer, CheckpointError, list_checkpoints, read_manifest, validate
 from .config import ConfigError, TrainConfig
 from .metrics import MetricsLogger, peak_flops, plot_runs
@@ -82,6 +82,7 @@ class Trainer:
         self.logger: Optional[MetricsLogger] = None
         self.loader = None
         self.service = None
+        self.source = None
         try:
             self._build()
         except BaseException:
@@ -91,26 +92,32 @@ class Trainer:
     # -- construction ---------------------------------------------------------------------------
     def _build(self) -> None:
         from .. import LoaderConfig, PlannerConfig
-        from ..data import HDPLoader, static_cp_degree
+        from ..data import DatasetSource, HDPLoader, static_cp_degree
 
         cfg = self.cfg
-        if cfg.data.spec:
-            raise ConfigError("data.spec (--data-spec): the data service is not available in this build yet; "
-                              "use --data DIR or --data synthetic:byted")
         self.resume_path, self.max_length = self._find_resume_point()
-        self.dataset, vocab, self.data_desc = build_dataset(cfg, self.max_length)
+        if cfg.data.spec:
+            self.service, self.source, longest = open_service(cfg, self.rank)
+            self.dataset, vocab = None, 0
+            self.data_desc = f"data service, mixing spec {cfg.data.spec}"
+        else:
+            self.dataset, vocab, self.data_desc = build_dataset(cfg, self.max_length)
+            lengths = self.dataset.lengths if hasattr(self.dataset, "lengths") else \
+                [self.dataset.length(i) for i in range(len(self.dataset))]
+            longest = int(max(lengths))
+            self.source = LengthRecorder(DatasetSource(self.dataset, cfg.data.tokens_per_batch, cfg.data.seed))
         self.model_module, self.info = build_model(cfg, vocab, self.device)
         self.model, self.runtime = parallelize(self.model_module, self.info, cfg, self.device)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
-        lengths = getattr(self.dataset, "lengths", None)
-        longest = int(max(lengths) if lengths is not None else
-                      max(self.dataset.length(i) for i in range(len(self.dataset))))
         if longest > cfg.hdp.capacity * self.world and not cfg.hdp.offload:
-            raise ConfigError(f"the longest document ({longest} tokens, data.max_length {self.max_length}) does "
-                              f"not fit {self.world} ranks x hdp.capacity {cfg.hdp.capacity}; raise "
-                              "--capacity or run on more ranks")
+            raise ConfigError(f"the longest document ({longest} tokens) does not fit {self.world} ranks x "
+                              f"hdp.capacity {cfg.hdp.capacity}; raise --capacity, run on more ranks, or "
+                              "lower data.max_length (a mixing spec: the sources' max_length)")
         static_cp = None
         if cfg.hdp.strategy == "static":
+            if not (cfg.hdp.static_cp or longest):
+                raise ConfigError("hdp.strategy=static with a mixing spec whose sources have no max_length: "
+                                  "give hdp.static_cp (--static-cp)")
             try:
                 static_cp = cfg.hdp.static_cp or static_cp_degree(longest, cfg.hdp.capacity, self.world)
             except ValueError as e:
@@ -118,8 +125,9 @@ class Trainer:
         self.static_cp = static_cp
         self.planner = PlannerConfig(cfg.hdp.capacity, strategy=cfg.hdp.strategy, offload=cfg.hdp.offload,
                                      cost=cfg.hdp.cost_profile, static_cp=static_cp)
-        self.loader = HDPLoader(self.dataset, self.planner,
+        self.loader = HDPLoader(self.source, self.planner,
                                 LoaderConfig(cfg.data.tokens_per_batch, seed=cfg.data.seed,
+                                             max_steps=cfg.train.stop_after or cfg.train.steps,
                                              prefetch=cfg.data.prefetch, lockstep=cfg.hdp.fsdp),
                                 runtime=self.runtime)
         self.step = 0
@@ -140,7 +148,8 @@ class Trainer:
                 tb = str(Path(mt.path).with_suffix("")) + "_tb"
             except ImportError:
                 tb = None
-        self.logger = MetricsLogger(rank=self.rank, total_steps=cfg.train.steps, start_step=self.step,
+        self.logger = MetricsLogger(rank=self.rank, total_steps=cfg.train.stop_after or cfg.train.steps,
+                                    start_step=self.step,
                                     name=self.name, metrics_path=mt.path, samples_path=mt.samples_log,
                                     tensorboard_dir=tb, progress=cfg.train.progress, log_every=cfg.train.log_every)
         self.logger.print(
@@ -163,9 +172,12 @@ class Trainer:
 
     def _data_key(self) -> Dict[str, Any]:
         d = self.cfg.data
-        return {"data": d.path, "spec": d.spec, "tokens_per_batch": d.tokens_per_batch, "seed": d.seed,
-                "max_length": self.max_length, "documents": len(self.dataset),
-                "synthetic": [d.synthetic_docs, d.synthetic_scale] if (d.path or "").startswith("synthetic:") else None}
+        key = {"data": d.path, "spec": d.spec, "tokens_per_batch": d.tokens_per_batch, "seed": d.seed}
+        if self.dataset is not None:  # the data service checks its own fingerprint on resume
+            key.update(max_length=self.max_length, length_scale=d.length_scale, documents=len(self.dataset))
+            if (d.path or "").startswith("synthetic:"):
+                key["synthetic"] = [d.synthetic_docs, d.synthetic_scale]
+        return key
 
     def _find_resume_point(self):
         """(checkpoint to resume from or None, the run's max document length), agreed by all ranks.
@@ -312,8 +324,9 @@ class Trainer:
 
     def train(self) -> List[Dict[str, Any]]:
         cfg = self.cfg
+        last = cfg.train.stop_after or cfg.train.steps
         it = iter(self.loader)
-        while self.step < cfg.train.steps:
+        while self.step < last:
             t0 = time.perf_counter()
             step = next(it)
             wait = time.perf_counter() - t0
@@ -328,7 +341,7 @@ class Trainer:
             dist.all_gather(table, mine)
             t = torch.stack(table)
             step_time = float(t[:, 4].max())
-            flops = self.info.flops.step_flops(self.dataset.length(s) for s in step.sample_ids)
+            flops = self.info.flops.step_flops(self.source.lengths.get(step.index, ()))
             rec = {"step": step.index, "loss": float(t[:, 0].sum()), "aux_loss": float(t[:, 1].sum()),
                    "lr": out["lr"], "grad_norm": out["grad_norm"], "tokens": step.global_tokens,
                    "documents": len(step.sample_ids), "step_time_s": step_time,
@@ -343,10 +356,13 @@ class Trainer:
             if self.checkpointer is not None:
                 self.checkpointer.poll()
                 k = cfg.checkpoint.save_every
-                if (k and self.step % k == 0) or self.step == cfg.train.steps:
-                    self.save(block=self.step == cfg.train.steps)
+                if (k and self.step % k == 0) or self.step == last:
+                    self.save(block=self.step == last)
         if self.checkpointer is not None:
             self.checkpointer.wait()
+        if self.service is not None or self.cfg.data.spec:
+            self.source.close()
+            dist.barrier()  # every rank's client is done before rank 0 stops the service (close())
         records = self.logger.records if self.logger is not None else []
         self._finish_plot(records)
         return records
@@ -369,6 +385,12 @@ class Trainer:
         if self.loader is not None:
             self.loader.close()
             self.loader = None
+        if getattr(self, "source", None) is not None:
+            self.source.close()
+            self.source = None
+        if self.service is not None:
+            self.service.close()
+            self.service = None
         if self.logger is not None:
             self.logger.close()
             self.logger = None
