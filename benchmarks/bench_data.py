@@ -28,6 +28,7 @@ import multiprocessing as mp
 import os
 import platform
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -142,12 +143,12 @@ def _spec_dict(cfg, args, store_dir, tok_path):
     return {"tokens_per_batch": args.tokens_per_batch, "seed": 0, "sources": srcs}
 
 
-def proc_pss_mb(pid):
-    """Proportional set size (shared pages split among their users) of a process, now."""
+def proc_uss_mb(pid):
+    """Memory private to a process (not shared with the process it was forked from), now."""
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
-            return next(int(l.split()[1]) / 1024 for l in f if l.startswith("Pss:"))
-    except (OSError, StopIteration):
+            return sum(int(l.split()[1]) for l in f if l.startswith(("Private_Clean:", "Private_Dirty:"))) / 1024
+    except OSError:
         return 0.0
 
 
@@ -172,13 +173,15 @@ def run_config(cfg, args, store_dir, tok_path):
         res.append(a.recv())
         if svc is not None and not service_mb:  # while the service still holds its chunks
             pids = svc.worker_pids()
-            service_mb = sum(proc_pss_mb(p) for p in pids["workers"].values()) + proc_pss_mb(svc._proc.pid)
+            service_mb = sum(proc_uss_mb(p) for p in pids["workers"].values()) + proc_uss_mb(svc._proc.pid)
     wall = time.perf_counter() - t0
     if svc is not None:
         svc.close()
     for p in procs:
         p.join()
     waits = np.concatenate([r["wait_ms"] for r in res])
+    print(f"  {cfg}: {wall:.0f} s, {np.mean([r['tokens'] for r in res]) * WORLD / args.steps / 1e3:.0f}K tokens read "
+          "per step (all ranks)", file=sys.stderr)
     return {"config": cfg, "wait_ms_mean": float(waits.mean()), "wait_ms_p90": float(np.percentile(waits, 90)),
             "wait_pct": float(100 * waits.mean() / (waits.mean() + args.step_ms)),
             "peak_rss_mb": max(r["peak_mb"] for r in res),
@@ -205,6 +208,15 @@ def build_corpus(args):
     s = prepare([], str(store), tokenizer=str(tok_path), workers=2, python_packages=True, max_bytes=args.max_bytes,
                 max_doc_bytes=args.max_doc_bytes, progress=False, plot=False)
     return str(store), str(tok_path), s
+
+
+def tokenizer_rate(tok_path, args) -> float:
+    """Tokens per second of one process tokenizing a few packages (the supply side)."""
+    tok = load_tokenizer(tok_path)
+    texts = [package_text(p, 256 << 10) for p in python_packages(max_bytes=args.max_bytes)[:8]]
+    t0 = time.perf_counter()
+    n = sum(len(tok.encode(t)) for t in texts)
+    return n / (time.perf_counter() - t0)
 
 
 def plot(rows, path):
@@ -244,12 +256,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     store, tok, s = build_corpus(args)
+    rate = tokenizer_rate(tok, args)
     print(f"# bench_data ({datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"{WORLD} ranks, {args.steps} steps of {args.step_ms:.0f} ms, {args.tokens_per_batch} tokens per batch)\n")
     print(f"corpus: {s['documents']} python packages, {s['tokens']} BPE tokens (8K vocabulary); lengths p50 {s['p50']}, "
-          f"p90 {s['p90']}, max {s['max']}\n")
+          f"p90 {s['p90']}, max {s['max']}; one process tokenizes {rate / 1e3:.0f}K tokens/s on this machine now\n")
     print("| config | data wait ms/step (mean) | p90 | wait % of step | per-rank peak RSS MiB | per-rank loader MiB "
-          "| service processes PSS MiB | tokens read per rank |\n|---|---|---|---|---|---|---|---|")
+          "| service processes private MiB | tokens read per rank |\n|---|---|---|---|---|---|---|---|")
     rows = []
     for cfg in args.configs.split(","):
         r = run_config(cfg, args, store, tok)

@@ -103,7 +103,7 @@ def _worker_main(conn, corpora, toks, dtypes, shm_dir: str, uid: str, role: Opti
                     f.write(a.tobytes())
             os.replace(tmp, os.path.join(shm_dir, name))
             conn.send(("done", req, s, name, out, errors))
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+    except (EOFError, OSError, KeyboardInterrupt):  # the service is closing
         return
 
 
@@ -322,15 +322,18 @@ class _Coordinator:
             self._advance()
 
     def shutdown(self) -> None:
-        for p, c in list(self.workers.values()) + self.standbys:
+        """Stop the workers (stateless: one still busy after a second is killed)."""
+        procs = list(self.workers.values()) + self.standbys
+        for p, c in procs:
             try:
                 c.send(("stop",))
             except OSError:
                 pass
-        for p, _ in list(self.workers.values()) + self.standbys:
-            p.join(timeout=2.0)
+        mpc.wait([p.sentinel for p, _ in procs], timeout=1.0)
+        for p, _ in procs:
             if p.is_alive():
                 p.kill()
+            p.join()
         self.listener.close()
 
 

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .book import BatchBook, Location
+from .book import BatchBook
 from .mixing import MixingSpec, spec_fingerprint
 from .source import GlobalBatch
 
@@ -169,10 +169,7 @@ class _Coordinator:
                     self.logged.add((s, lid))
                     logging.getLogger("bytescale.data.service").warning("data service: skipped %s", what)
             self.owner[name] = j
-            self.book.on_tokenized(s, name, items, self.book_dtype(s))
-
-    def book_dtype(self, s: int) -> str:
-        return "int64"  # tokens travel as numpy arrays; the dtype is not needed by readers
+            self.book.on_tokenized(s, name, items, "")  # tokens travel as arrays: no dtype needed
 
     def batch(self, client: str, step: int):
         self.cursors[client] = step

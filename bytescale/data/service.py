@@ -31,7 +31,6 @@ import socket
 import tempfile
 import threading
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
 import numpy as np

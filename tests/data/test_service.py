@@ -11,7 +11,6 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
