@@ -164,8 +164,9 @@ def open_service(cfg: TrainConfig, rank: int):
             spec = MixingSpec.load(cfg.data.spec)
             maxes = [s.max_length for s in spec.sources]
             longest = max(maxes) if all(m is not None for m in maxes) else 0
-            if spec.curriculum and spec.curriculum[-1].until_step is None:
-                longest = min(longest or spec.curriculum[-1].max_length, spec.curriculum[-1].max_length)
+            if spec.curriculum and spec.curriculum[-1].until_step is None:  # a cap for the whole run
+                cap = max(st.max_length for st in spec.curriculum)
+                longest = min(longest, cap) if longest else cap
             svc = DataService(spec, tokens_per_batch=cfg.data.tokens_per_batch, seed=cfg.data.seed,
                               workers=cfg.data.workers)
             address = svc.address

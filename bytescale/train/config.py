@@ -132,7 +132,7 @@ ALIASES: Dict[str, str] = {
     "model": "model.name", "data": "data.path", "data_spec": "data.spec", "steps": "train.steps",
     "checkpoint_dir": "checkpoint.dir", "save_every": "checkpoint.save_every", "resume": "checkpoint.resume",
     "samples_log": "metrics.samples_log", "metrics": "metrics.path", "tensorboard": "metrics.tensorboard",
-    "plot": "metrics.plot", "keep": "checkpoint.keep", "seed": "data.seed",
+    "plot": "metrics.plot", "keep": "checkpoint.keep", "seed": "data.seed", "run_name": "train.name",
 }
 
 
@@ -256,6 +256,9 @@ def resolve_key(key: str) -> Tuple[str, str, Any]:
             raise ConfigError(f"unknown option {key!r}: no section {sec!r}{_nearest(sec, SECTIONS)}")
     elif k in FLAT:
         sec, name = FLAT[k].split(".")
+    elif [sec for sec, cls in SECTIONS.items() if k in {f.name for f in fields(cls)}]:
+        where = [f"--{sec}.{k}" for sec, cls in SECTIONS.items() if k in {f.name for f in fields(cls)}]
+        raise ConfigError(f"ambiguous option {key!r}: say {' or '.join(where)}")
     else:
         raise ConfigError(f"unknown option {key!r}{_nearest(k, FLAT, '--', dash=True)}")
     names = {f.name: f for f in fields(SECTIONS[sec])}

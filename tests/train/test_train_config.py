@@ -58,6 +58,7 @@ def test_toml_and_yaml_files_with_overrides(tmp_path):
     (["--static-cp", "2"], ["hdp.static_cp", "static"]),
     (["positional"], ["'positional'"]),
     (["--steps"], ["--steps needs a value"]),
+    (["--name", "x"], ["ambiguous option 'name'", "--model.name or --train.name"]),
 ])
 def test_bad_options_name_themselves(argv, words):
     with pytest.raises(ConfigError) as e:

@@ -1,7 +1,8 @@
 """The trainer's options, run for a few steps each in one 2-rank job (real processes, the bytescale
 backend): the loss falls; bf16 autocast + activation checkpointing + plan-driven offloading;
 an HF config.json under FSDP2; the MoE preset under FSDP2 with its balance loss; the static
-DP x CP baseline; bad data and model options fail with clear errors."""
+DP x CP baseline; a real corpus (installed Python packages) as a token store (--data) and through
+the data service (--data-spec); bad data and model options fail with clear errors."""
 from __future__ import annotations
 
 import json
@@ -27,6 +28,11 @@ def _jobs(d):
         "hf_fsdp": BASE + ["--steps", "3", "--model", hf_cfg, "--fsdp", "--bf16", "--activation-checkpointing"],
         "moe_fsdp": BASE + ["--steps", "3", "--model", "mixtral-tiny", "--fsdp", "--router-aux-coef", "0.1"],
         "static": BASE + ["--steps", "3", "--strategy", "static"],
+        "store": ["--data", os.path.join(d, "store"), "--length-scale", "0.05", "--capacity", "256",
+                  "--tokens-per-batch", "1024", "--steps", "3", "--progress=false",
+                  "--samples-log", os.path.join(d, "store.samples.jsonl")],
+        "service": ["--data-spec", os.path.join(d, "mix.toml"), "--capacity", "256", "--tokens-per-batch", "1024",
+                    "--steps", "3", "--progress=false", "--samples-log", os.path.join(d, "service.samples.jsonl")],
     }
 
 
@@ -64,6 +70,12 @@ def _train(rank, world, d):
 
 
 def test_trainer_options_run_and_the_loss_falls(tmp_path):
+    from bytescale.data.prepare import prepare
+
+    prepare([], str(tmp_path / "store"), python_packages=True, max_packages=12, max_doc_bytes=20000,
+            progress=False, plot=False)
+    (tmp_path / "mix.toml").write_text(f'[[sources]]\nname = "pkgs"\nstore = "{tmp_path / "store"}"\n'
+                                       '[[curriculum]]\nmax_length = 512\n')  # documents cut to 512 tokens
     res = run_distributed(_train, 2, str(tmp_path), timeout=400)
     out, errors = res[0]
     falls = out["falls"]["records"]
@@ -81,6 +93,11 @@ def test_trainer_options_run_and_the_loss_falls(tmp_path):
     assert out["static"]["static_cp"] == 2
     # the baseline shards EVERY sequence over its CP group of 2
     assert all(r["ring_sizes"] and set(r["ring_sizes"]) == {2} for r in out["static"]["records"])
+    for name in ("store", "service"):  # the real corpus, two ways
+        recs = out[name]["records"]
+        assert len(recs) == 3 and all(4 < r["loss"] < 7 for r in recs), name
+        samples = [json.loads(x) for x in open(tmp_path / f"{name}.samples.jsonl")]
+        assert [x["step"] for x in samples] == [0, 1, 2] and all(x["samples"] for x in samples)
     assert errors["no_data"].startswith("no data: give --data DIR")
     assert "not a directory" in errors["bad_store"] or "token store" in errors["bad_store"]
     assert "unknown model preset 'huge'" in errors["bad_preset"]
