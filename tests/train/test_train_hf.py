@@ -27,7 +27,7 @@ from dist_utils import run_distributed  # noqa: E402
 V = 64
 SIZES = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512)
-LENGTHS = [300, 13, 211, 97, 45, 7, 150, 31, 64, 9, 120, 5, 77]
+LENGTHS = [400, 13, 211, 97, 45, 7, 150, 31, 64, 9, 120, 5, 77, 330]  # plans with rings of 2, 3 and 4
 CAPACITY, TOKENS_PER_BATCH, STEPS = 110, 1000, 2
 
 
