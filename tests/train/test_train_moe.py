@@ -52,7 +52,8 @@ def _dataset():
 
 
 def _loader(world, rank=0, **kw):
-    return HDPLoader(_dataset(), PlannerConfig(CAPACITY),
+    # pow2: on this batch the balanced planner gives every rank the same micro-batch count
+    return HDPLoader(_dataset(), PlannerConfig(CAPACITY, strategy="pow2"),
                      LoaderConfig(TOKENS_PER_BATCH, seed=5, max_steps=STEPS, **kw), rank=rank, world_size=world)
 
 
@@ -89,7 +90,7 @@ def _hdp(rank, world):
                 logits, aux = model(mb.input_ids, mb.position_ids, layout=mb.layout,
                                     global_tokens=step.global_tokens, return_aux=True)
                 (token_level_loss(logits, mb.labels, step.global_loss_tokens) + aux).backward()
-            aux_sum += float(aux)
+            aux_sum += float(aux.detach())
         model.finish_step()
         rings = [len(m.plan.ring) for m in mbs if m.plan.is_ring]
         out.append(([p.grad.clone() for p in model.module.parameters()], aux_sum, rings, len(mbs)))
