@@ -20,8 +20,11 @@ __all__ = ["compare", "main"]
 def compare(runs: Dict[str, List[dict]], skip: int = 2) -> str:
     """The side-by-side table (module docstring) as text."""
     common = set.intersection(*(set(r["step"] for r in recs) for recs in runs.values()))
-    steps = sorted(s for s in common if s >= skip) or sorted(common)
-    lines = [f"same global batches: steps {steps[0]}..{steps[-1]} ({len(steps)} steps after {skip} warm-up)",
+    steps = sorted(s for s in common if s >= skip)
+    note = f"{len(steps)} steps after {skip} warm-up"
+    if not steps:
+        steps, note = sorted(common), f"all {len(common)} common steps: fewer than the {skip} warm-up"
+    lines = [f"same global batches: steps {steps[0]}..{steps[-1]} ({note})",
              f"{'run':<24} {'steps':>5} {'loss first->last':>18} {'tok/s':>9} {'MFU':>7} {'wait/step':>10} {'imbalance':>9}"]
     speed = {}
     for name, recs in runs.items():

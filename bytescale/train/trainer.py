@@ -109,21 +109,27 @@ class Trainer:
         self.model_module, self.info = build_model(cfg, vocab, self.device)
         self.model, self.runtime = parallelize(self.model_module, self.info, cfg, self.device)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
-        if longest > cfg.hdp.capacity * self.world and not cfg.hdp.offload:
-            raise ConfigError(f"the longest document ({longest} tokens) does not fit {self.world} ranks x "
-                              f"hdp.capacity {cfg.hdp.capacity}; raise --capacity, run on more ranks, or "
-                              "lower data.max_length (a mixing spec: the sources' max_length)")
+        self.capacity = cfg.hdp.capacity
+        if longest > self.capacity * self.world and not cfg.hdp.offload:
+            if self.resume_path is None:
+                raise ConfigError(f"the longest document ({longest} tokens) does not fit {self.world} ranks x "
+                                  f"hdp.capacity {cfg.hdp.capacity}; raise --capacity, run on more ranks, or "
+                                  "lower data.max_length (a mixing spec: the sources' max_length)")
+            # a run resumed on fewer ranks keeps its documents: each rank holds more of them
+            self.capacity = -(-longest // self.world)
+            self._log0(f"[{self.name}] hdp.capacity raised from {cfg.hdp.capacity} to {self.capacity} tokens/rank: "
+                       f"the run's longest document ({longest} tokens) must fit {self.world} ranks")
         static_cp = None
         if cfg.hdp.strategy == "static":
             if not (cfg.hdp.static_cp or longest):
                 raise ConfigError("hdp.strategy=static with a mixing spec whose sources have no max_length: "
                                   "give hdp.static_cp (--static-cp)")
             try:
-                static_cp = cfg.hdp.static_cp or static_cp_degree(longest, cfg.hdp.capacity, self.world)
+                static_cp = cfg.hdp.static_cp or static_cp_degree(longest, self.capacity, self.world)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         self.static_cp = static_cp
-        self.planner = PlannerConfig(cfg.hdp.capacity, strategy=cfg.hdp.strategy, offload=cfg.hdp.offload,
+        self.planner = PlannerConfig(self.capacity, strategy=cfg.hdp.strategy, offload=cfg.hdp.offload,
                                      cost=cfg.hdp.cost_profile, static_cp=static_cp)
         self.loader = HDPLoader(self.source, self.planner,
                                 LoaderConfig(cfg.data.tokens_per_batch, seed=cfg.data.seed,
@@ -155,7 +161,7 @@ class Trainer:
         self.logger.print(
             f"[{self.name}] {self.world} ranks on {self.device.type} | model {cfg.model.name} "
             f"({self.info.params / 1e6:.2f}M parameters{', MoE' if self.info.moe else ''}) | {self.data_desc} | "
-            f"capacity {cfg.hdp.capacity} tokens/rank, global batch <= {cfg.data.tokens_per_batch} tokens | "
+            f"capacity {self.capacity} tokens/rank, global batch <= {cfg.data.tokens_per_batch} tokens | "
             f"planner {cfg.hdp.strategy}{f' cp={static_cp}' if static_cp else ''}"
             f"{' +offload' if cfg.hdp.offload else ''}{' | FSDP2' if cfg.hdp.fsdp else ''}"
             f"{' | bf16' if cfg.train.bf16 else ''}{' | act-ckpt' if cfg.train.activation_checkpointing else ''}"

@@ -1,5 +1,6 @@
 """Checkpoints that resume on another world size, through the real entry point
-(``torchrun -m bytescale.train``), against the uninterrupted run.
+(``torchrun -m bytescale.train --data STORE``, a token store of the installed Python packages),
+against the uninterrupted run.
 
 One uninterrupted run A (4 ranks) saves every 2 steps. Then, with and without FSDP2:
   B: 3 ranks continue from A's step-2 checkpoint (4 -> 3; with FSDP2 the checkpoint of a
@@ -8,7 +9,8 @@ One uninterrupted run A (4 ranks) saves every 2 steps. Then, with and without FS
      left), and 4 ranks continue with ``--resume`` (3 -> 4): the newest complete checkpoint is
      step 4, the half one is ignored and removed, the samples log is rewritten from step 4.
 Every resumed step sees the same global batch as A (--samples-log) and the same loss (float32,
-different reduction orders: 1e-5 relative). Then corrupt and mismatched checkpoints fail clearly
+different reduction orders: 1e-5 relative). The documents are split at the default length
+(capacity x 4 ranks); at 3 ranks the capacity is raised so they still fit. Then corrupt and mismatched checkpoints fail clearly
 and leave the directory untouched.
 """
 from __future__ import annotations
@@ -27,20 +29,23 @@ from train_launch import REPO, _env, jsonl, launch, ok
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 6
-COMMON = ["--data", "synthetic:byted", "--synthetic-docs", "300", "--synthetic-scale", "0.004",
-          "--capacity", "128", "--max-length", "384", "--tokens-per-batch", "1536", "--steps", STEPS,
+COMMON = ["--length-scale", "0.02", "--capacity", "128", "--tokens-per-batch", "1536", "--steps", STEPS,
           "--warmup-steps", "2", "--lr", "3e-3", "--progress=false", "--keep", "0"]
 
 
 def _run(d: Path, name: str, nproc: int, *extra) -> dict:
-    ok(launch(nproc, COMMON + ["--metrics", d / f"{name}.jsonl", "--samples-log", d / f"{name}.samples.jsonl",
-                               *extra]))
-    return {"metrics": jsonl(d / f"{name}.jsonl"), "samples": jsonl(d / f"{name}.samples.jsonl")}
+    res = ok(launch(nproc, ["--data", d / "store"] + COMMON + ["--metrics", d / f"{name}.jsonl",
+                                                               "--samples-log", d / f"{name}.samples.jsonl", *extra]))
+    return {"metrics": jsonl(d / f"{name}.jsonl"), "samples": jsonl(d / f"{name}.samples.jsonl"), "out": res.stdout}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    from bytescale.data.prepare import prepare
+
     d = tmp_path_factory.mktemp("resume")
+    prepare([], str(d / "store"), python_packages=True, max_packages=30, max_doc_bytes=40000, progress=False,
+            plot=False)
     out = {"dir": d, "A": _run(d, "A", 4, "--checkpoint-dir", d / "ckA", "--save-every", "2")}
     for tag, fsdp in (("", []), ("_fsdp", ["--fsdp"])):
         out["B" + tag] = _run(d, "B" + tag, 3, "--checkpoint-dir", d / f"ckB{tag}", "--save-every", "2",
@@ -74,9 +79,10 @@ def test_4_to_3_ranks_continues_on_the_same_batches_and_losses(runs, tag):
     a, b = runs["A"], runs["B" + tag]
     _compare(a, b, 2)
     assert b["samples"] == a["samples"][2:]
-    # the run really was re-planned: 3 ranks, rings in the plans
+    # the run really was re-planned: 3 ranks, rings in the plans (A's too)
     assert all(len(r["micro_batches"]) == 3 for r in b["metrics"])
-    assert any(r["ring_sizes"] for r in b["metrics"])
+    assert "hdp.capacity raised from 128 to 171" in b["out"]  # 512-token documents on 3 ranks
+    assert any(r["ring_sizes"] for r in b["metrics"]) and any(r["ring_sizes"] for r in a["metrics"])
 
 
 @pytest.mark.parametrize("tag", ["", "_fsdp"])
@@ -133,7 +139,7 @@ def test_corrupt_or_mismatched_checkpoint_fails_clearly_and_writes_nothing(runs,
     f = cases["truncated"] / "step-00000006" / "__0_0.distcp"
     f.write_bytes(f.read_bytes()[:100])
     (cases["manifest"] / "step-00000006" / "bytescale_checkpoint.json").write_text("{not json")
-    common = [str(x) for x in COMMON] + ["--capacity", "384"]  # one process holds the longest document
+    common = ["--data", str(runs["dir"] / "store")] + [str(x) for x in COMMON]
     argv = [common + ["--checkpoint-dir", str(cases["missing"]), "--resume"],
             common + ["--checkpoint-dir", str(cases["truncated"]), "--resume"],
             common + ["--checkpoint-dir", str(cases["model"]), "--resume", "--model", "small"],
