@@ -1,7 +1,7 @@
 """Configuration in one place: the options of the planner, the loader and the runtime, and the
 list of environment knobs.
 
-Training scripts fill these (``examples/train_llama.py`` from argparse); every other API takes
+Training scripts fill these (``python -m bytescale.train`` from its TrainConfig); every other API takes
 them rather than loose keyword arguments.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The training loop of ``python -m bytescale.train``, by hand, in 60 lines (no checkpoints, no
+"""The training loop of ``python -m bytescale.train``, by hand, in 60-odd lines (no checkpoints, no
 metrics): HDP over the bytescale backend on a token store or synthetic data.
 
     torchrun --nproc_per_node 4 examples/train_llama.py [--data DIR] [--steps 20]
@@ -15,6 +15,7 @@ import torch.distributed as dist
 from bytescale import HybridDataParallel, LoaderConfig, PlannerConfig, token_level_loss
 from bytescale.data import HDPLoader, SyntheticTokens, TokenStore, sample_lengths
 from bytescale.models import Llama, preset
+from bytescale.train.build import DocumentView
 
 
 def main() -> None:
@@ -28,7 +29,8 @@ def main() -> None:
     dist.init_process_group("bytescale")            # bytescale: the backend (registered by the import)
     world = dist.get_world_size()
     if args.data:
-        data = TokenStore(args.data)  # documents must fit capacity x world (bytescale.train splits them)
+        # documents longer than capacity x world are cut into pieces that fit (no token dropped)
+        data = DocumentView(TokenStore(args.data), max_length=args.capacity * world)
     else:
         lengths = sample_lengths("byted", 4000, scale=1 / 512, max_len=args.capacity * world)
         data = SyntheticTokens(lengths.tolist(), vocab_size=256)

@@ -36,7 +36,14 @@ if has offload; then
   rc=$(( rc | ${PIPESTATUS[0]} ))
 fi
 if has demo; then
-  timeout 90 torchrun --standalone --nproc_per_node 1 examples/train_llama.py --device cuda --steps 6 --baseline 2>&1 | tee "$OUT/demo.log" | tail -25
+  # the training entry point on one GPU: bf16, FSDP2, activation checkpointing, a checkpoint, resume
+  timeout 120 torchrun --standalone --nproc_per_node 1 -m bytescale.train --device cuda --data synthetic:byted \
+    --model small --capacity 8192 --tokens-per-batch 32768 --steps 6 --stop-after 4 --bf16 --fsdp \
+    --activation-checkpointing --checkpoint-dir "$OUT/ckpt" --metrics "$OUT/train.jsonl" 2>&1 | tee "$OUT/demo.log" | tail -25
+  rc=$(( rc | ${PIPESTATUS[0]} ))
+  timeout 120 torchrun --standalone --nproc_per_node 1 -m bytescale.train --device cuda --data synthetic:byted \
+    --model small --capacity 8192 --tokens-per-batch 32768 --steps 6 --bf16 --fsdp --activation-checkpointing \
+    --checkpoint-dir "$OUT/ckpt" --resume --metrics "$OUT/train.jsonl" 2>&1 | tee -a "$OUT/demo.log" | tail -8
   rc=$(( rc | ${PIPESTATUS[0]} ))
 fi
 exit $rc

@@ -4,8 +4,14 @@
 transformers' ``AttentionInterface``. A model using that interface (``LlamaForCausalLM``, Qwen,
 Mistral, ...) then trains under bytescale with only ``attn_implementation`` changed::
 
-    model = LlamaForCausalLM(config, attn_implementation="bytescale")   # or from_pretrained(...)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="bytescale")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="bytescale")
+    config = LlamaConfig(..., attn_implementation="bytescale")          # on the config
+    model.set_attn_implementation("bytescale")                          # on a built model
     logits = model(input_ids=ids[None], position_ids=pos[None]).logits  # one packed micro-batch
+
+(On transformers 5.x ``LlamaForCausalLM(config, attn_implementation=...)`` is a TypeError: the
+constructor takes no such argument; tests/train/test_train_hf.py checks the four ways above.)
 
 Input is one packed micro-batch (batch size 1) with ``position_ids`` restarting at 0 for each
 document (so RoPE is right for sharded chunks); the current micro-batch layout (set by
