@@ -1,4 +1,7 @@
-"""Reference models that train under bytescale (packed varlen input, bytescale attention)."""
+"""Reference models that train under bytescale (packed varlen input, bytescale attention):
+a Llama (optionally a Mixtral-style MoE) and named sizes of it; HF models via :mod:`.hf`."""
 from .llama import Llama, LlamaConfig
+from .moe import MoE
+from .presets import PRESETS, preset
 
-__all__ = ["Llama", "LlamaConfig"]
+__all__ = ["Llama", "LlamaConfig", "MoE", "PRESETS", "preset"]

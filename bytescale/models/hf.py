@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..attention.api import attention
+from .llama import autocast_safe_attention
 
 NAME = "bytescale"
 
@@ -49,7 +49,7 @@ def bytescale_attention_forward(
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    out = attention(q, k, v, softmax_scale=scaling, causal=True)
+    out = autocast_safe_attention(q, k, v, softmax_scale=scaling, causal=True)
     return out.unsqueeze(0), None
 
 

@@ -7,20 +7,25 @@ sharded ones: ring attention on their dynamic group), passed explicitly to
 :func:`bytescale.attention.attention`. Without a layout the input is one causal document.
 
 Structure (per layer): RMSNorm -> GQA attention with RoPE -> residual -> RMSNorm -> SwiGLU MLP ->
-residual. Sizes are set by :class:`LlamaConfig`.
+residual. Sizes are set by :class:`LlamaConfig`; ``n_experts > 0`` replaces the MLP by a
+Mixtral-style mixture of experts (:mod:`bytescale.models.moe`) whose router balance loss is exact
+under HDP (``forward(..., return_aux=True)``). ``activation_checkpointing = True`` recomputes each
+block in backward.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ..attention.api import attention
 from ..attention.layout import Layout
+from .moe import MoE
 
 
 @dataclass
@@ -33,6 +38,10 @@ class LlamaConfig:
     ffn_dim: int = 344
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    n_experts: int = 0            # > 0: Mixtral-style MoE MLP in every block
+    top_k: int = 2                # experts per token
+    moe_ffn_dim: Optional[int] = None  # each expert's hidden size (default: ffn_dim)
+    router_aux_coef: float = 0.01  # alpha of the sequence-wise balance loss
 
     @property
     def head_dim(self) -> int:
@@ -45,6 +54,12 @@ class LlamaConfig:
             raise ValueError(
                 f"LlamaConfig: n_heads {self.n_heads} not a multiple of n_kv_heads {self.n_kv_heads}"
             )
+        if self.n_experts < 0 or (self.n_experts and not 1 <= self.top_k <= self.n_experts):
+            raise ValueError(f"LlamaConfig: top_k {self.top_k} must be in [1, n_experts={self.n_experts}]")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
 
 
 class RMSNorm(nn.Module):
@@ -123,20 +138,59 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+class MoEBlock(nn.Module):
+    """A block whose MLP is a mixture of experts: ``forward(...) -> (x, balance loss without alpha)``."""
+
+    def __init__(self, cfg: LlamaConfig, attn_fn: Optional[AttentionFn] = None) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg, attn_fn or default_attention)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.moe = MoE(cfg.dim, cfg.moe_ffn_dim or cfg.ffn_dim, cfg.n_experts, cfg.top_k)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layout: Optional[Layout] = None,
+                global_tokens: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.attn(self.attn_norm(x), position_ids, layout)
+        y, aux = self.moe(self.mlp_norm(x), layout, global_tokens)
+        return x + y, aux
+
+
 def default_attention(q, k, v, scale, layout=None):
     """bytescale's attention under ``layout`` (or the current micro-batch's)."""
-    return attention(q, k, v, layout=layout, softmax_scale=scale)
+    return autocast_safe_attention(q, k, v, layout=layout, softmax_scale=scale)
+
+
+def autocast_safe_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
+    """:func:`bytescale.attention.attention` with autocast off and k/v in q's dtype.
+
+    Under ``torch.autocast`` the attention ops' internal matmuls would be re-cast op by op and mix
+    bf16 inputs with their fp32 accumulators; the ops choose their own precision (fp32
+    accumulation for bf16 inputs), so they run outside autocast on the dtype they are given.
+    """
+    dev = q.device.type
+    if torch.is_autocast_enabled(dev):
+        with torch.autocast(dev, enabled=False):
+            return attention(q, k.to(q.dtype), v.to(q.dtype), **kw)
+    return attention(q, k, v, **kw)
 
 
 class Llama(nn.Module):
-    """Llama-style decoder over a packed micro-batch: ``forward(input_ids, position_ids, layout) -> logits``."""
+    """Llama-style decoder over a packed micro-batch: ``forward(input_ids, position_ids, layout) -> logits``.
+
+    With ``return_aux=True`` it returns ``(logits, aux)``: ``aux`` is the MoE router balance loss
+    times ``router_aux_coef`` (a zero for a dense model), normalised by ``global_tokens`` (the
+    global batch's token count; default: this input's), so that adding it to
+    :func:`bytescale.token_level_loss` keeps HDP equal to single-process training.
+    """
 
     def __init__(self, cfg: LlamaConfig, attn_fn: Optional[AttentionFn] = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.activation_checkpointing = False
         fn = attn_fn or default_attention
+        block = MoEBlock if cfg.is_moe else Block
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, fn) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(block(cfg, fn) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.reset_parameters()
@@ -147,7 +201,8 @@ class Llama(nn.Module):
                 nn.init.normal_(m.weight, mean=0.0, std=std)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                layout: Optional[Layout] = None) -> torch.Tensor:
+                layout: Optional[Layout] = None, *, global_tokens: Optional[int] = None,
+                return_aux: bool = False):
         if input_ids.dim() != 1:
             raise ValueError(
                 f"Llama expects packed 1-D input_ids (T,), got shape {tuple(input_ids.shape)}"
@@ -155,6 +210,21 @@ class Llama(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[0], device=input_ids.device)
         x = self.embed(input_ids)
+        aux = None
         for layer in self.layers:
-            x = layer(x, position_ids, layout)
-        return self.lm_head(self.norm(x))
+            args = (x, position_ids, layout) + ((global_tokens,) if self.cfg.is_moe else ())
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                out = checkpoint(layer, *args, use_reentrant=False)
+            else:
+                out = layer(*args)
+            if self.cfg.is_moe:
+                x, a = out
+                aux = a if aux is None else aux + a
+            else:
+                x = out
+        logits = self.lm_head(self.norm(x))
+        if not return_aux:
+            return logits
+        if aux is None:
+            return logits, logits.new_zeros((), dtype=torch.float32)
+        return logits, aux * self.cfg.router_aux_coef

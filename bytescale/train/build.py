@@ -1,0 +1,335 @@
+"""Building a run's pieces from its config: the dataset, the model, its parallelisation.
+
+Models: a preset name builds bytescale's own Llama (:mod:`bytescale.models.presets`); a path to
+an HF ``config.json`` (or a directory holding one) builds
+``AutoModelForCausalLM.from_config(config, attn_implementation="bytescale")``, randomly
+initialised from ``model.init_seed`` (the same on every rank).
+
+Parallelisation, in TorchTitan's order: activation checkpointing per block, ``torch.compile`` per
+block, FSDP2 ``fully_shard`` per block then the root, and finally
+:class:`bytescale.HybridDataParallel` (replicated parameters: gradients summed once a step;
+FSDP2: the wrapper makes its reduce-scatter a sum and syncs on the last micro-batch).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from .config import ConfigError, TrainConfig
+from .metrics import FlopsModel
+
+__all__ = ["ModelInfo", "DocumentView", "LengthRecorder", "build_dataset", "open_service", "build_model",
+           "parallelize", "build_optimizer", "is_hf_config"]
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+_HF_ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "num_local_experts",
+                 "num_experts_per_tok", "tie_word_embeddings", "attention_bias", "mlp_bias")
+
+
+# -- data -----------------------------------------------------------------------------------------
+
+class DocumentView:
+    """A token dataset seen through two length rules (ids are piece ids; every kept token is read
+    from the base dataset):
+
+    * ``length_scale`` < 1 keeps the first ``ceil(length x scale)`` tokens of each document: the
+      corpus' length distribution, shifted down, at CPU scale (like the synthetic corpus' 1/512);
+    * documents longer than ``max_length`` are cut into consecutive pieces of at most
+      ``max_length`` tokens (no token dropped).
+    """
+
+    def __init__(self, base: Any, max_length: int, length_scale: float = 1.0) -> None:
+        lengths = getattr(base, "lengths", None)
+        lens = np.asarray(lengths if lengths is not None else [base.length(i) for i in range(len(base))],
+                          dtype=np.int64)
+        if length_scale < 1.0:
+            lens = np.maximum(1, np.ceil(lens * length_scale)).astype(np.int64)
+        pieces = np.maximum(1, -(-lens // max_length))
+        self.base = base
+        self.doc = np.repeat(np.arange(len(lens)), pieces)
+        first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+        self.start = (np.arange(len(self.doc)) - first) * max_length
+        self.lengths = np.minimum(lens[self.doc] - self.start, max_length).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def length(self, idx: int) -> int:
+        return int(self.lengths[idx])
+
+    def tokens(self, idx: int, start: int, end: int) -> torch.Tensor:
+        off = int(self.start[idx])
+        return self.base.tokens(int(self.doc[idx]), off + start, off + end)
+
+
+SplitDocuments = DocumentView
+
+
+def _store_vocab(path: str, store: Any) -> int:
+    """The vocabulary of a token store: prepare's summary.json, else its token dtype's range."""
+    import json
+
+    summary = Path(path) / "summary.json"
+    if summary.is_file():
+        try:
+            v = int(json.loads(summary.read_text()).get("vocab_size") or 0)
+            if v:
+                return v
+        except (ValueError, OSError):
+            pass
+    return 256 if np.dtype(store.dtype).itemsize == 1 else 0
+
+
+def build_dataset(cfg: TrainConfig, max_len: int) -> Tuple[Any, int, str]:
+    """(dataset, vocab size or 0, description) for ``--data``; documents longer than ``max_len``
+    are split. The data service (``--data-spec``) is :func:`open_service`."""
+    path = cfg.data.path
+    if path is None:
+        raise ConfigError("no data: give --data DIR (a token store), --data synthetic:byted, "
+                          "or --data-spec FILE (a mixing spec)")
+    if path.startswith("synthetic:"):
+        from ..data import SyntheticTokens, sample_lengths
+
+        corpus = path.split(":", 1)[1] or "byted"
+        try:
+            lengths = sample_lengths(corpus, cfg.data.synthetic_docs, seed=cfg.data.seed,
+                                     scale=cfg.data.synthetic_scale, max_len=max_len)
+        except ValueError as e:
+            raise ConfigError(f"data.path {path!r}: {e}") from None
+        vocab = cfg.model.vocab_size or 256
+        ds = SyntheticTokens(lengths.tolist(), vocab_size=vocab, seed=cfg.data.seed)
+        return ds, vocab, f"synthetic {corpus} corpus, {len(ds)} sequences"
+    if not Path(path).is_dir():
+        raise ConfigError(f"data.path {path!r}: not a directory (a token store from "
+                          "python -m bytescale.data.prepare) and not synthetic:CORPUS")
+    from ..data import TokenStore
+
+    try:
+        store = TokenStore(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.path {path!r}: not a readable token store ({e})") from None
+    ds = DocumentView(store, max_len, cfg.data.length_scale)
+    scale = f", lengths x {cfg.data.length_scale:g}" if cfg.data.length_scale < 1 else ""
+    return ds, _store_vocab(path, store), (f"token store {path}: {len(store)} documents{scale} -> {len(ds)} "
+                                           f"documents of <= {max_len} tokens")
+
+
+class LengthRecorder:
+    """A :class:`~bytescale.data.BatchSource` that remembers each global batch's lengths (for the
+    FLOP count), delegating everything else."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self.lengths: Dict[int, Tuple[int, ...]] = {}
+
+    def next_batch(self):
+        b = self.source.next_batch()
+        self.lengths[b.step] = tuple(b.lengths)
+        if len(self.lengths) > 16:
+            self.lengths.pop(min(self.lengths))
+        return b
+
+    def tokens(self, sample_id: int, start: int, end: int) -> torch.Tensor:
+        return self.source.tokens(sample_id, start, end)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.source.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.source.load_state_dict(state)
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def open_service(cfg: TrainConfig, rank: int):
+    """``--data-spec``: rank 0 starts the data service (local engine), every rank connects.
+
+    Returns (service on rank 0 else None, this rank's client, the spec's longest document or 0).
+    """
+    import torch.distributed as dist
+
+    from ..data import DataService, MixingSpec, connect
+
+    svc, msg, address, longest = None, None, None, 0
+    if rank == 0:
+        try:
+            spec = MixingSpec.load(cfg.data.spec)
+            maxes = [s.max_length for s in spec.sources]
+            longest = max(maxes) if all(m is not None for m in maxes) else 0
+            if spec.curriculum and spec.curriculum[-1].until_step is None:  # a cap for the whole run
+                cap = max(st.max_length for st in spec.curriculum)
+                longest = min(longest, cap) if longest else cap
+            svc = DataService(spec, tokens_per_batch=cfg.data.tokens_per_batch, seed=cfg.data.seed,
+                              workers=cfg.data.workers)
+            address = svc.address
+        except (OSError, ValueError, RuntimeError, TimeoutError) as e:
+            msg = f"data.spec {cfg.data.spec!r}: {e}"
+    box = [msg, address, longest]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise ConfigError(box[0])
+    return svc, LengthRecorder(connect(box[1])), int(box[2])
+
+
+# -- model ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the trainer needs to know about a model besides the module."""
+
+    kind: str                      # "llama" (bytescale's) or "hf"
+    flops: FlopsModel
+    arch: Dict[str, Any]           # architecture fields a checkpoint must match
+    params: int
+    moe: bool
+
+
+def is_hf_config(name: str) -> bool:
+    p = Path(name)
+    return name.endswith(".json") or (p.is_dir() and (p / "config.json").is_file())
+
+
+def _active_matmul_params(model: nn.Module, embedding: Optional[nn.Module], expert_share: float) -> int:
+    skip = {id(p) for p in embedding.parameters()} if embedding is not None else set()
+    n = 0.0
+    for name, p in model.named_parameters():
+        if id(p) in skip or p.dim() < 2:
+            continue
+        n += p.numel() * (expert_share if ".experts." in name else 1.0)
+    return int(n)
+
+
+def build_model(cfg: TrainConfig, data_vocab: int, device: torch.device) -> Tuple[nn.Module, ModelInfo]:
+    mc = cfg.model
+    dtype = _DTYPES[mc.dtype]
+    torch.manual_seed(mc.init_seed)
+    if is_hf_config(mc.name):
+        return _build_hf(cfg, data_vocab, device, dtype)
+    from ..models import Llama, preset
+
+    over: Dict[str, Any] = {}
+    if mc.experts >= 0:
+        over["n_experts"] = mc.experts
+    over["top_k"] = mc.top_k
+    over["router_aux_coef"] = mc.router_aux_coef
+    try:
+        lc = preset(mc.name, vocab_size=mc.vocab_size or data_vocab or None, **over)
+    except ValueError as e:
+        raise ConfigError(f"model.name: {e}") from None
+    if data_vocab and lc.vocab_size < data_vocab:
+        raise ConfigError(f"model.vocab_size {lc.vocab_size} is smaller than the data's vocabulary {data_vocab}")
+    with torch.device(device):
+        model = Llama(lc).to(dtype)
+    share = lc.top_k / lc.n_experts if lc.is_moe else 1.0
+    arch = {k: v for k, v in dataclasses.asdict(lc).items() if k != "router_aux_coef"}
+    arch["kind"] = "llama"
+    info = ModelInfo("llama", FlopsModel(_active_matmul_params(model, model.embed, share), lc.n_layers,
+                                         lc.n_heads, lc.head_dim), arch,
+                     sum(p.numel() for p in model.parameters()), lc.is_moe)
+    return model, info
+
+
+def _build_hf(cfg: TrainConfig, data_vocab: int, device: torch.device, dtype: torch.dtype):
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(f"model.name {cfg.model.name!r} is an HF config, but transformers is not installed") from None
+    from ..models import hf  # noqa: F401  (registers attn_implementation="bytescale")
+
+    try:
+        hcfg = transformers.AutoConfig.from_pretrained(cfg.model.name)
+    except Exception as e:
+        raise ConfigError(f"model.name {cfg.model.name!r}: cannot read the HF config: {e}") from None
+    if cfg.model.vocab_size:
+        hcfg.vocab_size = cfg.model.vocab_size
+    if data_vocab and hcfg.vocab_size < data_vocab:
+        raise ConfigError(f"model.name {cfg.model.name!r}: vocab_size {hcfg.vocab_size} is smaller than the "
+                          f"data's vocabulary {data_vocab}")
+    hcfg.use_cache = False
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(hcfg, attn_implementation="bytescale", dtype=dtype)
+    layers = hcfg.num_hidden_layers
+    heads = hcfg.num_attention_heads
+    head_dim = getattr(hcfg, "head_dim", None) or hcfg.hidden_size // heads
+    n_exp = getattr(hcfg, "num_local_experts", 0) or 0
+    share = (getattr(hcfg, "num_experts_per_tok", 1) / n_exp) if n_exp else 1.0
+    d = hcfg.to_dict()
+    arch = {k: d.get(k) for k in _HF_ARCH_KEYS if k in d}
+    arch["kind"] = "hf"
+    info = ModelInfo("hf", FlopsModel(_active_matmul_params(model, model.get_input_embeddings(), share),
+                                      layers, heads, head_dim), arch,
+                     sum(p.numel() for p in model.parameters()), bool(n_exp))
+    return model, info
+
+
+def blocks(model: nn.Module, info: ModelInfo) -> List[nn.Module]:
+    """The transformer blocks (the unit of checkpointing, compilation and sharding)."""
+    if info.kind == "llama":
+        return list(model.layers)
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ConfigError(f"{type(model).__name__}: cannot find its decoder layers (model.model.layers)")
+    return list(layers)
+
+
+def parallelize(model: nn.Module, info: ModelInfo, cfg: TrainConfig, device: torch.device):
+    """Activation checkpointing, compile, FSDP2, HybridDataParallel (see module docstring)."""
+    import torch.distributed as dist
+
+    from .. import HybridDataParallel, RuntimeConfig
+
+    run = cfg.train
+    if run.activation_checkpointing:
+        if info.kind == "llama":
+            model.activation_checkpointing = True
+        else:
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if run.compile:
+        for b in blocks(model, info):
+            b.compile(backend=run.compile_backend, dynamic=True)  # token counts change every micro-batch
+    if cfg.hdp.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        for b in blocks(model, info):
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    rt = RuntimeConfig(bucket_cap_mb=cfg.hdp.bucket_cap_mb, bf16_grad_comm=cfg.hdp.bf16_grad_comm)
+    return HybridDataParallel(model, config=rt), rt
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig):
+    """AdamW (no decay on vectors: norms, biases) and a warm-up + cosine LR schedule."""
+    import math
+
+    oc = cfg.optim
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": oc.weight_decay}]
+    if other:
+        groups.append({"params": other, "weight_decay": 0.0})
+    opt = torch.optim.AdamW(groups, lr=oc.lr, betas=(oc.beta1, oc.beta2), eps=oc.eps)
+    total, warm = cfg.train.steps, oc.warmup_steps
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        span = max(1, total - warm)
+        t = min(1.0, (step - warm) / span)
+        return oc.min_lr_ratio + (1 - oc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    return opt, sched

@@ -1,0 +1,399 @@
+"""The training loop of ``python -m bytescale.train`` (in the manner of TorchTitan's trainer).
+
+One :class:`Trainer` owns a run: the process group (unless one exists), the dataset and HDP
+loader, the model (bytescale's Llama or an HF model) and its parallelisation, AdamW with warm-up
+and cosine decay, checkpoints and metrics. Each step: wait for this rank's micro-batches (the
+loader plans the global batch and prefetches the next one), forward and backward each micro-batch
+inside ``HybridDataParallel.micro_batch`` (layout, the plan's offload ratio), the token-level loss
+plus the MoE balance loss, ``finish_step`` (gradients summed over ranks), clipping on the summed
+gradient, the optimizer and LR steps, metrics, and a checkpoint when due.
+"""
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime
+import json
+import os
+import pickle
+import socket
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .build import LengthRecorder, build_dataset, build_model, build_optimizer, open_service, parallelize
+from .checkpoint import AppState, Checkpointer, CheckpointError, list_checkpoints, read_manifest, validate
+from .config import ConfigError, TrainConfig
+from .metrics import MetricsLogger, peak_flops, plot_runs
+
+__all__ = ["Trainer", "init_distributed"]
+
+
+def init_distributed(device: str) -> bool:
+    """Join (or, without torchrun, create a one-process) ``bytescale`` process group; True if created."""
+    import bytescale  # noqa: F401  (registers the backend)
+
+    if dist.is_initialized():
+        return False
+    if "RANK" not in os.environ or os.environ.get("BYTESCALE_TRAIN_SOLO") == "1":
+        # plain `python -m bytescale.train`: a world of one (a fresh port for every run)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port), BYTESCALE_TRAIN_SOLO="1")
+    timeout = datetime.timedelta(seconds=int(os.environ.get("BYTESCALE_TRAIN_TIMEOUT_S", "600")))
+    if device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        dist.init_process_group("bytescale", device_id=torch.device("cuda", local), timeout=timeout)
+    else:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+        dist.init_process_group("bytescale", timeout=timeout)
+    return True
+
+
+def _agree(msg: Optional[str]) -> Optional[str]:
+    """Rank 0's verdict (an error message or None) on every rank."""
+    box = [msg]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class Trainer:
+    """A training run (see module docstring). ``Trainer(cfg).train()`` returns rank 0's records."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        dev = cfg.train.device
+        if dev == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        if dev == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("train.device=cuda but no CUDA device is available")
+        self.owns_pg = init_distributed(dev)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu")
+        self.name = cfg.train.name or ("HDP" if cfg.hdp.strategy != "static" else "static DPxCP")
+        self.checkpointer: Optional[Checkpointer] = None
+        self.logger: Optional[MetricsLogger] = None
+        self.loader = None
+        self.service = None
+        self.source = None
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- construction ---------------------------------------------------------------------------
+    def _build(self) -> None:
+        from .. import LoaderConfig, PlannerConfig
+        from ..data import DatasetSource, HDPLoader, static_cp_degree
+
+        cfg = self.cfg
+        self.resume_path, self.max_length = self._find_resume_point()
+        if cfg.data.spec:
+            self.service, self.source, longest = open_service(cfg, self.rank)
+            self.dataset, vocab = None, 0
+            self.data_desc = f"data service, mixing spec {cfg.data.spec}"
+        else:
+            self.dataset, vocab, self.data_desc = build_dataset(cfg, self.max_length)
+            lengths = self.dataset.lengths if hasattr(self.dataset, "lengths") else \
+                [self.dataset.length(i) for i in range(len(self.dataset))]
+            longest = int(max(lengths))
+            self.source = LengthRecorder(DatasetSource(self.dataset, cfg.data.tokens_per_batch, cfg.data.seed))
+        self.model_module, self.info = build_model(cfg, vocab, self.device)
+        self.model, self.runtime = parallelize(self.model_module, self.info, cfg, self.device)
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
+        if longest > cfg.hdp.capacity * self.world and not cfg.hdp.offload:
+            raise ConfigError(f"the longest document ({longest} tokens) does not fit {self.world} ranks x "
+                              f"hdp.capacity {cfg.hdp.capacity}; raise --capacity, run on more ranks, or "
+                              "lower data.max_length (a mixing spec: the sources' max_length)")
+        static_cp = None
+        if cfg.hdp.strategy == "static":
+            if not (cfg.hdp.static_cp or longest):
+                raise ConfigError("hdp.strategy=static with a mixing spec whose sources have no max_length: "
+                                  "give hdp.static_cp (--static-cp)")
+            try:
+                static_cp = cfg.hdp.static_cp or static_cp_degree(longest, cfg.hdp.capacity, self.world)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        self.static_cp = static_cp
+        self.planner = PlannerConfig(cfg.hdp.capacity, strategy=cfg.hdp.strategy, offload=cfg.hdp.offload,
+                                     cost=cfg.hdp.cost_profile, static_cp=static_cp)
+        self.loader = HDPLoader(self.source, self.planner,
+                                LoaderConfig(cfg.data.tokens_per_batch, seed=cfg.data.seed,
+                                             max_steps=cfg.train.stop_after or cfg.train.steps,
+                                             prefetch=cfg.data.prefetch, lockstep=cfg.hdp.fsdp),
+                                runtime=self.runtime)
+        self.step = 0
+        self.peak = peak_flops(self.device, cfg.train.peak_tflops)
+        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if cfg.train.bf16
+                         else contextlib.nullcontext())
+        if cfg.checkpoint.dir:
+            self.checkpointer = Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep,
+                                             async_save=cfg.checkpoint.async_save)
+            self._resume()
+            self.checkpointer.clean_partial()
+        mt = cfg.metrics
+        tb = mt.tensorboard
+        if tb is None and mt.path:
+            try:
+                import tensorboard  # noqa: F401
+
+                tb = str(Path(mt.path).with_suffix("")) + "_tb"
+            except ImportError:
+                tb = None
+        self.logger = MetricsLogger(rank=self.rank, total_steps=cfg.train.stop_after or cfg.train.steps,
+                                    start_step=self.step,
+                                    name=self.name, metrics_path=mt.path, samples_path=mt.samples_log,
+                                    tensorboard_dir=tb, progress=cfg.train.progress, log_every=cfg.train.log_every)
+        self.logger.print(
+            f"[{self.name}] {self.world} ranks on {self.device.type} | model {cfg.model.name} "
+            f"({self.info.params / 1e6:.2f}M parameters{', MoE' if self.info.moe else ''}) | {self.data_desc} | "
+            f"capacity {cfg.hdp.capacity} tokens/rank, global batch <= {cfg.data.tokens_per_batch} tokens | "
+            f"planner {cfg.hdp.strategy}{f' cp={static_cp}' if static_cp else ''}"
+            f"{' +offload' if cfg.hdp.offload else ''}{' | FSDP2' if cfg.hdp.fsdp else ''}"
+            f"{' | bf16' if cfg.train.bf16 else ''}{' | act-ckpt' if cfg.train.activation_checkpointing else ''}"
+            f"{' | compiled' if cfg.train.compile else ''} | steps {self.step}->{cfg.train.steps}")
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def _shapes(self) -> Dict[str, tuple]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        out = {}
+        for k, v in get_model_state_dict(self.model_module).items():
+            out[k] = tuple(v.shape)  # DTensor.shape is the full shape
+        return out
+
+    def _data_key(self) -> Dict[str, Any]:
+        d = self.cfg.data
+        key = {"data": d.path, "spec": d.spec, "tokens_per_batch": d.tokens_per_batch, "seed": d.seed}
+        if self.dataset is not None:  # the data service checks its own fingerprint on resume
+            key.update(max_length=self.max_length, length_scale=d.length_scale, documents=len(self.dataset))
+            if (d.path or "").startswith("synthetic:"):
+                key["synthetic"] = [d.synthetic_docs, d.synthetic_scale]
+        return key
+
+    def _find_resume_point(self):
+        """(checkpoint to resume from or None, the run's max document length), agreed by all ranks.
+
+        The longest document (``data.max_length``, default capacity x world size at the run's
+        start) is part of the data: a resumed run takes it from the checkpoint, so it sees the
+        same documents at any world size.
+        """
+        cc = self.cfg.checkpoint
+        if cc.resume_from and not cc.dir:
+            raise ConfigError("checkpoint.resume_from needs checkpoint.dir (where this run saves)")
+        msg, path, max_len = None, None, self.cfg.data.max_length or self.cfg.hdp.capacity * self.world
+        if self.rank == 0:
+            try:
+                found = list_checkpoints(cc.dir) if cc.dir else []
+                if cc.resume_from:
+                    path = Path(cc.resume_from)
+                elif cc.resume:
+                    path = found[-1][1] if found else None
+                if path is None and found:
+                    raise CheckpointError(
+                        f"checkpoint directory {cc.dir} already holds checkpoints (newest {found[-1][1].name}); "
+                        "pass --resume to continue that run, or use another directory")
+                if path is not None:
+                    man = read_manifest(path) if path.is_dir() else None
+                    if man is None:
+                        raise CheckpointError(f"checkpoint {path} does not exist")
+                    max_len = int(man.get("data_key", {}).get("max_length") or max_len)
+                    later = [p.name for s, p in found if s > int(man["step"])]
+                    if later:
+                        raise CheckpointError(f"checkpoint directory {cc.dir} holds checkpoints beyond the "
+                                              f"resume point {path.name}: {later}; saving would overwrite them")
+            except CheckpointError as e:
+                msg = str(e)
+        box = [msg, str(path) if path is not None else None, max_len]
+        dist.broadcast_object_list(box, src=0)
+        if box[0]:
+            raise CheckpointError(box[0])
+        if box[1] is None and cc.resume:
+            self._log0(f"[{self.name}] --resume: no checkpoint in {cc.dir}; starting from step 0")
+        return (Path(box[1]) if box[1] else None), int(box[2])
+
+    def _resume(self) -> None:
+        path = self.resume_path
+        if path is None:
+            return
+        msg = None
+        if self.rank == 0:
+            try:
+                man = validate(path, self.info.arch, self._shapes())
+                if man.get("data_key") != self._data_key():
+                    raise CheckpointError(f"checkpoint {path} was trained on other data settings: "
+                                          f"{man.get('data_key')} there, {self._data_key()} here")
+            except CheckpointError as e:
+                msg = str(e)
+        msg = _agree(msg)
+        if msg:
+            raise CheckpointError(msg)
+        state = {"app": AppState(self.model_module, self.optimizer), "trainer": ""}
+        self.checkpointer.load(path, state)
+        tr = json.loads(state["trainer"])
+        self.step = int(tr["step"])
+        self.scheduler.load_state_dict(tr["scheduler"])
+        self.loader.load_state_dict(tr["loader"])
+        rng = pickle.loads(base64.b64decode(tr["rng"]))
+        if self.rank < len(rng):
+            torch.set_rng_state(rng[self.rank]["cpu"])
+            if self.device.type == "cuda" and rng[self.rank].get("cuda") is not None:
+                torch.cuda.set_rng_state(rng[self.rank]["cuda"])
+        self._log0(f"[{self.name}] resumed from {path} (saved at {tr['world_size']} ranks, now {self.world}) "
+                   f"at step {self.step}")
+
+    def _log0(self, msg: str) -> None:
+        if self.logger is not None:
+            self.logger.print(msg)
+        elif self.rank == 0:
+            print(msg, flush=True)
+
+    def save(self, block: bool = False) -> None:
+        mine = {"cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
+        rngs: List[Any] = [None] * self.world
+        dist.all_gather_object(rngs, mine)
+        trainer = {"step": self.step, "world_size": self.world, "scheduler": self.scheduler.state_dict(),
+                   "loader": self.loader.state_dict(),
+                   "rng": base64.b64encode(pickle.dumps(rngs)).decode()}
+        state = {"app": AppState(self.model_module, self.optimizer), "trainer": json.dumps(trainer)}
+        manifest = {"model_config": self.info.arch, "data_key": self._data_key(), "config": self.cfg.to_dict()}
+        self.checkpointer.save(self.step, state, manifest, block=block)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def _forward(self, mb, step) -> tuple:
+        ids = mb.input_ids.to(self.device, non_blocking=True)
+        pos = mb.position_ids.to(self.device, non_blocking=True)
+        if self.info.kind == "llama":
+            logits, aux = self.model(ids, pos, layout=mb.layout, global_tokens=step.global_tokens,
+                                     return_aux=True)
+            return logits, aux
+        if ids.numel() == 0:  # see _padding_layout
+            out = self.model(input_ids=ids.new_zeros(1, 1), position_ids=pos.new_zeros(1, 1), use_cache=False)
+            return out.logits[0, :0] + out.logits.sum() * 0, None
+        out = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False)
+        return out.logits[0], None
+
+    def _padding_layout(self, mb):
+        """A lockstep padding slot (FSDP2) for an HF model: HF cannot run zero tokens, so one dummy
+        token under its own one-token layout (forward and backward, recomputation included) whose
+        logits count times 0 keeps every parameter in the graph."""
+        if mb.num_tokens or self.info.kind == "llama":
+            return contextlib.nullcontext()
+        from ..attention import Layout, micro_batch_context
+
+        return micro_batch_context(Layout.local([1]))
+
+    def train_step(self, step) -> Dict[str, float]:
+        from ..runtime import token_level_loss
+
+        t0 = time.perf_counter()
+        mbs = step.micro_batches
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        aux_sum = torch.zeros((), dtype=torch.float64)
+        for i, mb in enumerate(mbs):
+            with self.model.micro_batch(mb, last=i == len(mbs) - 1), self._padding_layout(mb):
+                with self.autocast:
+                    logits, aux = self._forward(mb, step)
+                    loss = token_level_loss(logits, mb.labels.to(self.device), step.global_loss_tokens)
+                total = loss if aux is None else loss + aux
+                total.backward()
+            loss_sum += loss.detach().double().cpu()
+            if aux is not None:
+                aux_sum += aux.detach().double().cpu()
+        compute = time.perf_counter() - t0
+        self.model.finish_step()
+        max_norm = self.cfg.optim.grad_clip or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": float(loss_sum), "aux": float(aux_sum), "compute": compute, "grad_norm": float(norm),
+                "lr": float(lr), "mbs": float(sum(1 for m in mbs if m.num_tokens))}
+
+    def train(self) -> List[Dict[str, Any]]:
+        cfg = self.cfg
+        last = cfg.train.stop_after or cfg.train.steps
+        it = iter(self.loader)
+        while self.step < last:
+            t0 = time.perf_counter()
+            step = next(it)
+            wait = time.perf_counter() - t0
+            if step.index != self.step:
+                raise RuntimeError(f"loader at step {step.index}, trainer at {self.step}")
+            self.logger.samples(step.index, step.sample_ids)
+            out = self.train_step(step)
+            elapsed = time.perf_counter() - t0
+            mine = torch.tensor([out["loss"], out["aux"], out["compute"], wait, elapsed, out["mbs"]],
+                                dtype=torch.float64)
+            table = [torch.zeros_like(mine) for _ in range(self.world)]
+            dist.all_gather(table, mine)
+            t = torch.stack(table)
+            step_time = float(t[:, 4].max())
+            flops = self.info.flops.step_flops(self.source.lengths.get(step.index, ()))
+            rec = {"step": step.index, "loss": float(t[:, 0].sum()), "aux_loss": float(t[:, 1].sum()),
+                   "lr": out["lr"], "grad_norm": out["grad_norm"], "tokens": step.global_tokens,
+                   "documents": len(step.sample_ids), "step_time_s": step_time,
+                   "tokens_per_s": step.global_tokens / step_time,
+                   "mfu": flops / (step_time * self.world * self.peak),
+                   "data_wait_s": float(t[:, 3].max()),
+                   "imbalance": float(t[:, 2].max() / max(float(t[:, 2].mean()), 1e-12)),
+                   "micro_batches": [int(x) for x in t[:, 5].tolist()],
+                   "ring_sizes": sorted(step.plan.ring_sizes().values(), reverse=True)[:8]}
+            self.logger.log(rec, step.plan.summary())
+            self.step += 1
+            if self.checkpointer is not None:
+                self.checkpointer.poll()
+                k = cfg.checkpoint.save_every
+                if (k and self.step % k == 0) or self.step == last:
+                    self.save(block=self.step == last)
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        if self.service is not None or self.cfg.data.spec:
+            self.source.close()
+            dist.barrier()  # every rank's client is done before rank 0 stops the service (close())
+        records = self.logger.records if self.logger is not None else []
+        self._finish_plot(records)
+        return records
+
+    def _finish_plot(self, records: List[Dict[str, Any]]) -> None:
+        if self.rank != 0 or not records:
+            return
+        out = self.cfg.metrics.plot or (str(Path(self.cfg.metrics.path).with_suffix(".png"))
+                                        if self.cfg.metrics.path else None)
+        if out and plot_runs({self.name: records}, out):
+            self._log0(f"[{self.name}] loss and throughput plot: {out}")
+
+    def close(self) -> None:
+        """Release the loader, the background writer, the logs and (if created here) the process group."""
+        if self.checkpointer is not None:
+            try:
+                self.checkpointer.close()
+            finally:
+                self.checkpointer = None
+        if self.loader is not None:
+            self.loader.close()
+            self.loader = None
+        if getattr(self, "source", None) is not None:
+            self.source.close()
+            self.source = None
+        if self.service is not None:
+            self.service.close()
+            self.service = None
+        if self.logger is not None:
+            self.logger.close()
+            self.logger = None
+        if self.owns_pg and dist.is_initialized():
+            dist.destroy_process_group()
+            self.owns_pg = False

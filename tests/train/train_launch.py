@@ -1,0 +1,49 @@
+"""Launchers for the training entry point's tests: real ``torchrun -m bytescale.train`` processes
+(or one plain process), a hard timeout, output captured."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _env() -> Dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["BYTESCALE_TRAIN_TIMEOUT_S"] = "120"  # a hang fails fast
+    return env
+
+
+def launch(nproc: int, args: Sequence[str], timeout: float = 240.0, cwd: str = None) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node nproc -m bytescale.train args`` (nproc 0: plain ``python -m``)."""
+    if nproc:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "bytescale.train", *map(str, args)]
+    else:
+        cmd = [sys.executable, "-m", "bytescale.train", *map(str, args)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                            cwd=cwd or str(REPO), start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise TimeoutError(f"{' '.join(cmd)} did not finish within {timeout:.0f} s\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def ok(res: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert res.returncode == 0, f"{' '.join(res.args)}\nexit {res.returncode}\n{res.stdout[-4000:]}\n{res.stderr[-6000:]}"
+    return res
+
+
+def jsonl(path) -> List[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
