@@ -22,6 +22,16 @@ Ordering contract for dynamic groups
   are posted immediately. Do not overlap an un-waited collective of one group with P2P calls to the
   same peers from another thread.
 * A non-member may hold a group object, but every operation on it raises an error naming the group.
+
+Works
+-----
+* ``work.wait(timeout)`` raises ``DistBackendError`` after ``timeout`` (without one: after the
+  group's timeout, ``init_process_group(timeout=...)`` or ``new_group(timeout=...)``), naming the
+  op, the group and the ranks it still waits for. The op is not cancelled: it keeps its tensors and
+  may still complete (on CUDA the watchdog aborts the communicator after the group's timeout).
+* ``work.is_completed()`` turns true by itself once the op is done, point-to-point ops included.
+* Sends/receives issued inside a coalescing block (``batch_isend_irecv``) return Works that complete
+  with the block's Work; waiting on one before the block ends raises.
 """
 from __future__ import annotations
 
@@ -67,7 +77,7 @@ def _create_backend(dist_opts, pg_options):
         if global_ranks and _world_backend is not None:
             # A subgroup (dist.new_group / DeviceMesh): a dynamic group on the world communicator.
             world = dist.get_world_size()
-            return _C.comm.DynamicGroupBackend(global_ranks, world, dist.get_rank())
+            return _C.comm.DynamicGroupBackend(global_ranks, world, dist.get_rank(), timeout=timeout)
         if global_ranks and len(global_ranks) != size:
             raise RuntimeError(
                 "bytescale: a subgroup was created with the bytescale backend while the default "

@@ -7,7 +7,7 @@
 
 #include "comm/backend.h"
 #include "comm/dynamic_group.h"
-#include "comm/group_ops.h"
+#include "comm/consistency.h"
 #include "comm/schedule.h"
 
 namespace py = pybind11;
@@ -37,13 +37,18 @@ void bind_comm(py::module_& m) {
   py::class_<DynamicGroupBackend, c10d::Backend, c10::intrusive_ptr<DynamicGroupBackend>>(
       m, "DynamicGroupBackend",
       "Backend of a dynamic group: P2P algorithms on the world transports; no communicator.")
-      .def(py::init([](std::vector<int> ranks, int world_size, int my_rank) {
-             return c10::make_intrusive<DynamicGroupBackend>(std::move(ranks), world_size,
-                                                             my_rank);
+      .def(py::init([](std::vector<int> ranks, int world_size, int my_rank,
+                       std::optional<std::chrono::milliseconds> timeout) {
+             return c10::make_intrusive<DynamicGroupBackend>(
+                 std::move(ranks), world_size, my_rank,
+                 timeout.value_or(std::chrono::milliseconds(0)));
            }),
-           py::arg("ranks"), py::arg("world_size"), py::arg("my_rank"))
+           py::arg("ranks"), py::arg("world_size"), py::arg("my_rank"),
+           py::arg("timeout") = py::none(),
+           "timeout: how long its operations may take (default: the world group's timeout).")
       .def_property_readonly("ranks",
                              [](const DynamicGroupBackend& b) { return b.rankMap().ranks(); })
+      .def_property_readonly("timeout", &DynamicGroupBackend::timeout)
       .def_property_readonly("group_rank",
                              [](const DynamicGroupBackend& b) { return b.rankMap().myIndex(); })
       .def_property_readonly("next_rank",
@@ -68,8 +73,8 @@ void bind_comm(py::module_& m) {
       },
       py::arg("device"));
 
-  m.def("collective_checks_enabled", &comm::group_ops::checksEnabled);
-  m.def("set_collective_checks", &comm::group_ops::setChecksEnabled, py::arg("enabled"),
+  m.def("collective_checks_enabled", &comm::checksEnabled);
+  m.def("set_collective_checks", &comm::setChecksEnabled, py::arg("enabled"),
         "Turn the cross-rank consistency check of CPU collectives on or off (default on; env "
         "BYTESCALE_CHECK_COLLECTIVES=0). Set it identically on every rank.");
 

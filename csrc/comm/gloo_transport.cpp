@@ -1,6 +1,10 @@
 #include "comm/gloo_transport.h"
 
+#include <c10/util/Exception.h>
+
+#include <atomic>
 #include <sstream>
+#include <unordered_set>
 
 #include "comm/work.h"
 
@@ -13,96 +17,214 @@ namespace {
 constexpr uint32_t kInternalTagBase = 0x40000000u;
 constexpr uint32_t kTagMask = 0x1FFFFFFFu;
 
-class GlooExchange final : public PendingExchange {
- public:
+// Gloo transfers that were aborted while a peer could still write into them: kept for the rest of
+// the process instead of freed (shutdown with transfers in flight only).
+void bury(std::vector<c10::intrusive_ptr<c10d::Work>> works) {
+  static std::mutex mu;
+  static auto* graveyard = new std::vector<c10::intrusive_ptr<c10d::Work>>();
+  std::lock_guard<std::mutex> g(mu);
+  graveyard->insert(graveyard->end(), works.begin(), works.end());
+}
+
+}  // namespace
+
+// The ops of one exchange, and how many of them are known to be complete (in order), shared with
+// the timeout reports of the Works waiting for it.
+struct ExchangeState {
   struct Item {
-    c10::intrusive_ptr<c10d::Work> work;
     P2POp::Kind kind;
     int peer;
     int64_t bytes;
   };
-  GlooExchange(std::vector<Item> items, std::string what)
-      : items_(std::move(items)), what_(std::move(what)) {}
+  std::vector<Item> items;
+  std::atomic<size_t> done{0};
+
+  std::string pending() const {
+    std::ostringstream os;
+    size_t first = done.load();
+    for (size_t i = first; i < items.size(); ++i)
+      os << (i > first ? ", " : "") << (items[i].kind == P2POp::kSend ? "send to" : "receive from")
+         << " rank " << items[i].peer << " (" << items[i].bytes << " bytes)";
+    return first >= items.size() ? std::string("nothing (the transfers are done)") : os.str();
+  }
+};
+
+class GlooExchange;
+
+// Exchanges in flight, so that shutdown can abort them (their waits then return at once).
+struct ExchangeRegistry {
+  std::mutex mu;
+  std::unordered_set<GlooExchange*> live;
+  bool aborted = false;
+  void add(GlooExchange* e);
+  void remove(GlooExchange* e) {
+    std::lock_guard<std::mutex> g(mu);
+    live.erase(e);
+  }
+  void abortAll();
+};
+
+// What the worker thread runs and waits for.
+struct WorkerStatus {
+  std::mutex mu;
+  const void* running = nullptr;  // the Work whose body runs
+  std::string running_what;
+  std::shared_ptr<ExchangeState> blocked;  // the exchange the body waits for
+  std::string native;                      // or the Gloo-native operation it waits in
+
+  void start(const void* work, const std::string& what) {
+    std::lock_guard<std::mutex> g(mu);
+    running = work;
+    running_what = what;
+    blocked.reset();
+    native.clear();
+  }
+  void stop() { start(nullptr, ""); }
+  std::string waitingFor() const {  // mu held
+    if (blocked) return "waiting for " + blocked->pending();
+    if (!native.empty()) return "waiting inside " + native + " for the other members";
+    return "running on this rank";
+  }
+  std::string describe(const void* work) {
+    std::lock_guard<std::mutex> g(mu);
+    if (running == work) return waitingFor();
+    if (running)
+      return "queued behind '" + running_what + "', which is " + waitingFor();
+    return "queued";
+  }
+};
+
+class GlooExchange final : public PendingExchange {
+ public:
+  GlooExchange(std::vector<c10::intrusive_ptr<c10d::Work>> works,
+               std::shared_ptr<ExchangeState> state, std::string what,
+               std::shared_ptr<ExchangeRegistry> registry, std::shared_ptr<WorkerStatus> status)
+      : works_(std::move(works)),
+        state_(std::move(state)),
+        what_(std::move(what)),
+        registry_(std::move(registry)),
+        status_(std::move(status)) {
+    registry_->add(this);
+  }
   ~GlooExchange() override {
     // Never leave Gloo writing into freed memory: an exchange dropped without wait() is waited
     // for here (errors are swallowed; the owner chose not to look).
-    try {
-      wait();
-    } catch (...) {
-    }
-  }
-  void wait() override {
-    std::exception_ptr first;
-    std::string msg;
-    for (auto& it : items_) {
-      if (!it.work) continue;
+    if (!waited_) {
       try {
-        it.work->wait();
-      } catch (const std::exception& e) {
-        if (!first) {
-          first = std::current_exception();
-          std::ostringstream os;
-          os << "bytescale " << what_ << ": " << (it.kind == P2POp::kSend ? "send to" : "receive from")
-             << " rank " << it.peer << " (" << it.bytes << " bytes) failed: " << e.what();
-          msg = os.str();
-        }
+        wait();
+      } catch (...) {
       }
-      it.work.reset();
     }
-    items_.clear();
-    if (first) throw std::runtime_error(msg);
+    registry_->remove(this);
+    if (aborted_) bury(std::move(works_));
   }
+
+  void wait() override {
+    if (waited_) {
+      if (error_) std::rethrow_exception(error_);
+      return;
+    }
+    if (status_) {
+      std::lock_guard<std::mutex> g(status_->mu);
+      status_->blocked = state_;
+    }
+    std::string msg;
+    for (size_t i = 0; i < works_.size(); ++i) {
+      const auto& it = state_->items[i];
+      std::string failure;
+      try {
+        if (!works_[i]->wait()) {
+          aborted_ = true;
+          failure = "aborted (the backend was shut down)";
+        }
+      } catch (const c10::Error& e) {
+        failure = e.msg();
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+      if (!failure.empty() && msg.empty()) {
+        std::ostringstream os;
+        os << "bytescale " << what_ << ": " << (it.kind == P2POp::kSend ? "send to" : "receive from")
+           << " rank " << it.peer << " (" << it.bytes << " bytes) failed: " << failure;
+        msg = os.str();
+      }
+      if (failure.empty()) state_->done.store(i + 1);
+    }
+    if (status_) {
+      std::lock_guard<std::mutex> g(status_->mu);
+      status_->blocked.reset();
+    }
+    waited_ = true;
+    if (!msg.empty()) {
+      error_ = std::make_exception_ptr(
+          c10::DistBackendError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, msg));
+      std::rethrow_exception(error_);
+    }
+  }
+
+  // Interrupts the waits (called with the registry's lock held; works_ never changes while the
+  // exchange is registered).
+  void abort() {
+    for (const auto& w : works_) {
+      try {
+        w->abort();
+      } catch (...) {
+      }
+    }
+  }
+
+  const std::shared_ptr<ExchangeState>& state() const { return state_; }
 
  private:
-  std::vector<Item> items_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  std::shared_ptr<ExchangeState> state_;
   std::string what_;
+  std::shared_ptr<ExchangeRegistry> registry_;
+  std::shared_ptr<WorkerStatus> status_;  // set on the worker thread only
+  bool waited_ = false;
+  bool aborted_ = false;
+  std::exception_ptr error_;
 };
 
-}  // namespace
+void ExchangeRegistry::add(GlooExchange* e) {
+  std::lock_guard<std::mutex> g(mu);
+  live.insert(e);
+  if (aborted) e->abort();
+}
+
+void ExchangeRegistry::abortAll() {
+  std::lock_guard<std::mutex> g(mu);
+  aborted = true;
+  for (auto* e : live) e->abort();
+}
+
+// ---- GlooTransport --------------------------------------------------------------------------
 
 GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> gloo, int rank, int world_size,
                              std::chrono::milliseconds timeout)
-    : gloo_(std::move(gloo)), rank_(rank), world_size_(world_size), timeout_(timeout) {
+    : gloo_(std::move(gloo)),
+      rank_(rank),
+      world_size_(world_size),
+      timeout_(timeout),
+      live_(std::make_shared<ExchangeRegistry>()),
+      status_(std::make_shared<WorkerStatus>()) {
   TORCH_CHECK(gloo_, "bytescale: GlooTransport needs a Gloo backend");
   for (int c = 0; c < 2; ++c) {
     send_seq_[c].assign(world_size, 0);
     recv_seq_[c].assign(world_size, 0);
   }
-  worker_ = std::thread([this] {
-    for (;;) {
-      std::function<void()> task;
-      {
-        std::unique_lock<std::mutex> lk(q_mu_);
-        q_cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stop_ and drained
-        task = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      task();
-    }
-  });
-  worker_id_ = worker_.get_id();
 }
 
 GlooTransport::~GlooTransport() { shutdown(); }
 
 void GlooTransport::shutdown() {
-  {
-    std::lock_guard<std::mutex> g(q_mu_);
-    if (stop_) return;
-    stop_ = true;
-  }
-  q_cv_.notify_all();
-  if (worker_.joinable()) {
-    if (std::this_thread::get_id() == worker_id_)
-      worker_.detach();
-    else
-      worker_.join();
-  }
+  live_->abortAll();      // unblocks the worker's running exchange and the waiters
+  worker_.close(true);    // queued collectives fail; the running one ends
+  waiters_.close(false);  // the posted batches complete (aborted ones with an error)
 }
 
 int GlooTransport::nextTag(int peer, bool send) {
-  int channel = std::this_thread::get_id() == worker_id_ ? 0 : 1;
+  int channel = worker_.onQueueThread() ? 0 : 1;
   std::lock_guard<std::mutex> g(tag_mu_);
   uint32_t& seq = send ? send_seq_[channel][peer] : recv_seq_[channel][peer];
   uint32_t tag = kInternalTagBase | (static_cast<uint32_t>(channel) << 29) | (seq & kTagMask);
@@ -112,51 +234,97 @@ int GlooTransport::nextTag(int peer, bool send) {
 
 std::unique_ptr<PendingExchange> GlooTransport::exchange(const std::vector<P2POp>& ops,
                                                          const std::string& what) {
-  std::vector<GlooExchange::Item> items;
-  items.reserve(ops.size());
+  // Every op is checked before any is posted: a half-posted exchange cannot be taken back.
   for (const auto& op : ops) {
-    TORCH_CHECK(op.peer >= 0 && op.peer < world_size_, "bytescale ", what, ": peer rank ",
-                op.peer, " outside [0, ", world_size_, ")");
-    TORCH_CHECK(op.peer != rank_, "bytescale ", what, ": rank ", rank_,
-                " cannot send to or receive from itself");
-    TORCH_CHECK(op.tensor.defined(), "bytescale ", what, ": undefined tensor for peer ", op.peer);
-    TORCH_CHECK(op.tensor.device().is_cpu(), "bytescale ", what,
-                ": the CPU transport got a tensor on ", op.tensor.device());
-    TORCH_CHECK(op.tensor.is_contiguous(), "bytescale ", what,
-                ": point-to-point tensors must be contiguous");
+    TORCH_CHECK(op.peer >= 0 && op.peer < world_size_ && op.peer != rank_, "bytescale ", what,
+                ": peer rank ", op.peer, " is not another rank of the world of ", world_size_);
+    TORCH_CHECK(op.tensor.defined() && op.tensor.device().is_cpu() && op.tensor.is_contiguous(),
+                "bytescale ", what, ": the CPU transport needs defined, contiguous CPU tensors");
+  }
+  auto state = std::make_shared<ExchangeState>();
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (const auto& op : ops) {
     if (op.tensor.numel() == 0) continue;  // nothing to move; both sides skip symmetrically
     std::vector<at::Tensor> ts{op.tensor};
     bool send = op.kind == P2POp::kSend;
     int tag = op.tag >= 0 ? op.tag : nextTag(op.peer, send);
-    auto work = send ? gloo_->send(ts, op.peer, tag) : gloo_->recv(ts, op.peer, tag);
-    items.push_back({std::move(work), op.kind, op.peer,
-                     static_cast<int64_t>(op.tensor.numel() * op.tensor.element_size())});
+    works.push_back(send ? gloo_->send(ts, op.peer, tag) : gloo_->recv(ts, op.peer, tag));
+    state->items.push_back(
+        {op.kind, op.peer, static_cast<int64_t>(op.tensor.numel() * op.tensor.element_size())});
   }
-  return std::make_unique<GlooExchange>(std::move(items), what);
+  return std::make_unique<GlooExchange>(std::move(works), std::move(state), what, live_,
+                                        worker_.onQueueThread() ? status_ : nullptr);
 }
 
-c10::intrusive_ptr<c10d::Work> GlooTransport::run(const std::string& what,
-                                                  std::vector<at::Tensor> outputs,
-                                                  std::function<void()> body) {
-  auto work = c10::make_intrusive<FutureWork>(rank_, c10d::OpType::UNKNOWN, what, outputs);
-  {
-    std::lock_guard<std::mutex> g(q_mu_);
-    TORCH_CHECK(!stop_, "bytescale ", what, ": the backend has been shut down");
-    queue_.push_back([work, what, body = std::move(body)] {
-      try {
-        body();
-        work->markDone();
-      } catch (const std::exception& e) {
-        std::string msg = e.what();
-        if (msg.rfind("bytescale", 0) != 0) msg = "bytescale " + what + " failed: " + msg;
-        work->markFailed(std::make_exception_ptr(std::runtime_error(msg)));
-      } catch (...) {
-        work->markFailed(std::current_exception());
-      }
-    });
+c10::intrusive_ptr<c10d::Work> GlooTransport::post(const std::vector<P2POp>& ops, WorkInfo info) {
+  std::vector<at::Tensor> tensors;
+  for (const auto& op : ops) tensors.push_back(op.tensor);
+  const std::string what = info.what;
+  auto work = c10::make_intrusive<Work>(rank_, std::move(info), std::move(tensors));
+  std::shared_ptr<PendingExchange> ex = exchange(ops, what);
+  auto state = static_cast<GlooExchange*>(ex.get())->state();
+  if (state->items.empty()) {
+    work->complete();
+    return work;
   }
-  q_cv_.notify_one();
+  work->setStallReporter([state] { return "waiting for " + state->pending(); });
+  bool queued = waiters_.push([work, ex](bool) {
+    std::exception_ptr error;
+    try {
+      ex->wait();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    work->complete(error);
+  });
+  if (!queued) {
+    // Shut down: the transfers were aborted at registration; their wait returns at once.
+    try {
+      ex->wait();
+    } catch (...) {
+    }
+    TORCH_CHECK_WITH(DistBackendError, false, "bytescale ", what,
+                     ": the backend has been shut down");
+  }
   return work;
+}
+
+c10::intrusive_ptr<c10d::Work> GlooTransport::run(WorkInfo info, std::vector<at::Tensor> outputs,
+                                                  std::function<void()> body) {
+  const std::string what = info.what;
+  auto work = c10::make_intrusive<Work>(rank_, std::move(info), std::move(outputs));
+  const void* id = work.get();
+  std::weak_ptr<WorkerStatus> weak = status_;
+  work->setStallReporter([weak, id] {
+    auto s = weak.lock();
+    return s ? s->describe(id) : std::string("the transport was shut down");
+  });
+  auto status = status_;
+  bool queued = worker_.push([work, id, what, status, body = std::move(body)](bool cancelled) {
+    if (cancelled) {
+      work->complete(std::make_exception_ptr(c10::DistBackendError(
+          {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+          "bytescale " + what + ": the backend was shut down before the operation started")));
+      return;
+    }
+    status->start(id, what);
+    std::exception_ptr error;
+    try {
+      body();
+    } catch (...) {
+      error = describeFailure(std::current_exception(), what);
+    }
+    status->stop();
+    work->complete(error);
+  });
+  TORCH_CHECK_WITH(DistBackendError, queued, "bytescale ", what,
+                   ": the backend has been shut down");
+  return work;
+}
+
+void GlooTransport::noteNativeWait(const std::string& what) {
+  std::lock_guard<std::mutex> g(status_->mu);
+  status_->native = what;
 }
 
 }  // namespace comm

@@ -1,20 +1,24 @@
 // The CPU transport: point-to-point messages over a torch ProcessGroupGloo (created through torch's
 // Python binding, since Gloo's headers are not shipped in the wheel, and handed to C++ as a
-// c10d::Backend), plus one worker thread that runs dynamic-group collectives asynchronously.
+// c10d::Backend), one worker thread that runs collectives asynchronously (run()), and a few
+// waiter threads that complete the Works of posted point-to-point batches (post()), so their
+// is_completed() turns true without anyone calling wait().
 #pragma once
 
-#include <condition_variable>
-#include <deque>
-#include <functional>
+#include <memory>
 #include <mutex>
-#include <thread>
+#include <vector>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "comm/task_queue.h"
 #include "comm/transport.h"
 
 namespace bytescale {
 namespace comm {
+
+struct ExchangeRegistry;  // live exchanges, aborted at shutdown (gloo_transport.cpp)
+struct WorkerStatus;      // what the worker runs and waits for, for timeout errors
 
 class GlooTransport final : public Transport {
  public:
@@ -29,11 +33,17 @@ class GlooTransport final : public Transport {
 
   std::unique_ptr<PendingExchange> exchange(const std::vector<P2POp>& ops,
                                             const std::string& what) override;
-  c10::intrusive_ptr<c10d::Work> run(const std::string& what, std::vector<at::Tensor> outputs,
+  c10::intrusive_ptr<c10d::Work> post(const std::vector<P2POp>& ops, WorkInfo info) override;
+  c10::intrusive_ptr<c10d::Work> run(WorkInfo info, std::vector<at::Tensor> outputs,
                                      std::function<void()> body) override;
 
+  // Marks the worker as waiting inside a Gloo-native operation (for the timeout error of the Work
+  // it runs); the world backend calls it around its Gloo collectives. Cleared by the next task.
+  void noteNativeWait(const std::string& what);
+
   const c10::intrusive_ptr<c10d::Backend>& gloo() const { return gloo_; }
-  // Stop the worker (pending operations fail). Idempotent.
+  // Stops the threads: queued collectives fail ("shut down"), transfers still in flight are
+  // aborted (their waits raise). Idempotent; safe from any thread.
   void shutdown();
 
  private:
@@ -52,12 +62,10 @@ class GlooTransport final : public Transport {
   std::vector<uint32_t> send_seq_[2];
   std::vector<uint32_t> recv_seq_[2];
 
-  std::mutex q_mu_;
-  std::condition_variable q_cv_;
-  std::deque<std::function<void()>> queue_;
-  bool stop_ = false;
-  std::thread worker_;
-  std::thread::id worker_id_;
+  std::shared_ptr<ExchangeRegistry> live_;
+  std::shared_ptr<WorkerStatus> status_;
+  TaskQueue worker_{1};    // collectives, in submission order
+  TaskQueue waiters_{32};  // completion of posted P2P batches, independently of each other
 };
 
 }  // namespace comm

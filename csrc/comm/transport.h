@@ -1,9 +1,10 @@
 // The transport interface: how every distributed algorithm in bytescale moves bytes.
 //
 // There is one transport per device type per world backend: GlooTransport (CPU tensors, delegating
-// to a torch ProcessGroupGloo) and NcclTransport (CUDA tensors, one NCCL communicator for the whole
-// world). Dynamic groups, ring attention and planner-driven data movement are written once against
-// this interface, so the multi-process CPU tests exercise the very code that runs over NCCL.
+// to a torch ProcessGroupGloo) and the NCCL transport of the CUDA plug-in (csrc/cuda/comm/, one
+// NCCL communicator for the whole world), registered through comm/device_backends.h. Dynamic
+// groups, ring attention and planner-driven data movement are written once against this
+// interface, so the multi-process CPU tests exercise the very code that runs over NCCL.
 //
 // Ordering contract (the same on both transports):
 //   * Point-to-point messages between a pair of ranks, in one direction, are matched in the order
@@ -24,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/schedule.h"
 
 namespace bytescale {
 namespace comm {
@@ -37,7 +39,16 @@ struct P2POp {
   int tag = -1;      // user tag (Gloo only; NCCL has none); -1: bytescale's own sequence tags
 };
 
-// A launched batch of P2P operations.
+// What an asynchronous operation is, for its Work and for every error it raises.
+struct WorkInfo {
+  c10d::OpType type = c10d::OpType::UNKNOWN;
+  std::string what;                      // op and group: "recv on dynamic group [0, 2]"
+  std::shared_ptr<const RankMap> group;  // the group it runs in (may be null)
+  std::vector<int> peers;                // P2P: the global ranks it talks to; else every member
+  std::chrono::milliseconds timeout{0};  // the group's timeout (Work::wait's default); 0: none
+};
+
+// A launched batch of P2P operations, for algorithms that wait step by step.
 //   CPU:  the ops are posted to Gloo and progress in Gloo's threads; wait() blocks the calling
 //         thread until all completed (throws on error or timeout, naming the peers).
 //   CUDA: the ops are enqueued between ncclGroupStart/End on the transport's communication stream,
@@ -63,6 +74,13 @@ class Transport {
   virtual std::unique_ptr<PendingExchange> exchange(const std::vector<P2POp>& ops,
                                                     const std::string& what) = 0;
 
+  // Launch a batch of P2P ops as one asynchronous operation and return its Work (a comm::Work):
+  // it completes by itself once every op is done (is_completed() turns true without wait()),
+  // wait(timeout) honours the timeout (else info.timeout) and names the peers that did not answer.
+  //   CPU:  a completion thread of the transport waits for the batch, in issue order.
+  //   CUDA: Work::wait() makes the caller's current stream wait on the batch's end event.
+  virtual c10::intrusive_ptr<c10d::Work> post(const std::vector<P2POp>& ops, WorkInfo info) = 0;
+
   // Run `body` as one asynchronous operation (a collective of a dynamic group, say) and return its
   // Work. `outputs` are kept alive until completion and are the Work's result / future value.
   //   CPU:  body runs on the transport's worker thread (one thread: operations start in the order
@@ -72,25 +90,28 @@ class Transport {
   //         Work::wait() makes the caller's current stream wait on the end event.
   // Inside body, exchange(...)->wait() and ATen ops (reductions, copies) are ordered correctly on
   // both transports.
-  virtual c10::intrusive_ptr<c10d::Work> run(const std::string& what,
-                                                   std::vector<at::Tensor> outputs,
-                                                   std::function<void()> body) = 0;
+  virtual c10::intrusive_ptr<c10d::Work> run(WorkInfo info, std::vector<at::Tensor> outputs,
+                                             std::function<void()> body) = 0;
 
   // Convenience: one batched step of a ring. Sends `send` to `next`, receives into `recv` from
   // `prev` (either side may be undefined to skip it). next == prev is fine (2-member rings).
   std::unique_ptr<PendingExchange> ringStep(const at::Tensor& send, int next, const at::Tensor& recv,
                                             int prev, const std::string& what) {
+    return exchange(ringStepOps(send, next, recv, prev), what);
+  }
+  static std::vector<P2POp> ringStepOps(const at::Tensor& send, int next, const at::Tensor& recv,
+                                        int prev) {
     std::vector<P2POp> ops;
     if (send.defined()) ops.push_back({P2POp::kSend, next, send});
     if (recv.defined()) ops.push_back({P2POp::kRecv, prev, recv});
-    return exchange(ops, what);
+    return ops;
   }
 };
 
 // The transport of the process's world "bytescale" backend for a device type, registered when that
 // backend is created (nullptr before init_process_group("bytescale") or after destruction).
 // Ring attention and other ops look their transport up here, so they only need an ordered list of
-// global ranks to describe their group.
+// global ranks to describe their group. Defined in device_backends.cpp.
 std::shared_ptr<Transport> worldTransport(c10::DeviceType device);
 void registerWorldTransport(c10::DeviceType device, std::shared_ptr<Transport> transport);
 void unregisterWorldTransport(c10::DeviceType device, const Transport* transport);

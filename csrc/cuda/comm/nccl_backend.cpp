@@ -1,0 +1,97 @@
+#include "cuda/comm/nccl_backend.h"
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "comm/device_backends.h"
+
+namespace bytescale {
+namespace cuda {
+
+namespace {
+
+std::vector<int> iota(int n) {
+  std::vector<int> v(n);
+  for (int i = 0; i < n; ++i) v[i] = i;
+  return v;
+}
+
+// The plug-in registers itself when the extension is loaded.
+const bool kRegistered = [] {
+  comm::registerDeviceBackend(c10::DeviceType::CUDA, [](const comm::DeviceBackendOptions& o) {
+    auto backend = c10::make_intrusive<NcclBackend>(o.store, o.rank, o.size, o.timeout);
+    comm::DeviceBackend plugin;
+    plugin.transport = backend->transport();
+    plugin.backend = backend;
+    return plugin;
+  });
+  return true;
+}();
+
+}  // namespace
+
+NcclBackend::NcclBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                         std::chrono::milliseconds timeout)
+    : comm::CollectiveBackend(std::make_shared<const comm::RankMap>(iota(size), size, rank),
+                              "world group", timeout),
+      transport_(std::make_shared<NcclTransport>(std::move(store), rank, size, timeout)) {
+  (void)kRegistered;
+}
+
+NcclBackend::~NcclBackend() {
+  try {
+    shutdown();
+  } catch (...) {
+  }
+}
+
+void NcclBackend::shutdown() { transport_->shutdown(); }
+
+void NcclBackend::abort() {
+  transport_->abort("aborted by the user");
+  transport_->shutdown();
+}
+
+void NcclBackend::eagerConnectSingleDevice(at::Device device) {
+  transport_->comm().connect(device.index() < 0 ? static_cast<c10::DeviceIndex>(0)
+                                                : device.index());
+}
+
+std::shared_ptr<comm::Transport> NcclBackend::p2pTransport(c10::DeviceType device,
+                                                           const std::string& what) {
+  TORCH_CHECK(device == c10::DeviceType::CUDA, "bytescale ", what, ": the NCCL backend takes "
+              "CUDA tensors, got ", c10::DeviceTypeName(device));
+  return transport_;
+}
+
+c10::intrusive_ptr<c10d::Work> NcclBackend::execute(comm::Collective c) {
+  TORCH_CHECK(c.kind == comm::CollectiveKind::kBarrier || c.device == c10::DeviceType::CUDA,
+              "bytescale ", c.what, ": the NCCL backend takes CUDA tensors, got ",
+              c10::DeviceTypeName(c.device));
+  NcclTransport::LaunchOptions opts;
+  opts.connect = true;  // world collectives: every rank calls them
+  if (c.kind == comm::CollectiveKind::kBarrier) {
+    // An all-reduce of one element on the communicator's device; the CPU waits too.
+    transport_->comm().require(c.what);
+    at::Tensor token = at::zeros(
+        {1}, at::TensorOptions().device(transport_->comm().device()).dtype(at::kFloat));
+    c.inputs = c.outputs = {token};
+    opts.cpu_sync = true;
+  } else {
+    // The communicator's device must exist before NCCL's buffers can be checked against it.
+    const auto& any = !c.inputs.empty() ? c.inputs : c.outputs;
+    transport_->comm().connect(any[0].device().index());
+    checkNcclTensors(c.inputs, transport_->comm().device(), c.what);
+    checkNcclTensors(c.outputs, transport_->comm().device(), c.what);
+  }
+  const int rank = getRank(), n = getSize();
+  auto inf = info(c);
+  std::vector<at::Tensor> outputs = c.outputs;
+  return transport_->launch(
+      std::move(inf), c.inputs, std::move(outputs),
+      [&c, rank, n](ncclComm_t comm, cudaStream_t s) { enqueueCollective(c, rank, n, comm, s); },
+      opts);
+}
+
+}  // namespace cuda
+}  // namespace bytescale

@@ -1,0 +1,140 @@
+#include "cuda/comm/nccl_transport.h"
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+
+namespace bytescale {
+namespace cuda {
+
+namespace {
+
+class NcclExchange final : public comm::PendingExchange {
+ public:
+  NcclExchange(c10::Device d, std::shared_ptr<CudaEvent> ev) : device_(d), ev_(std::move(ev)) {}
+  void wait() override {
+    c10::cuda::CUDAGuard g(device_);
+    ev_->block(c10::cuda::getCurrentCUDAStream(device_.index()));
+  }
+
+ private:
+  c10::Device device_;
+  std::shared_ptr<CudaEvent> ev_;
+};
+
+// The comm stream waits for the work already queued on the caller's current stream.
+void followCaller(c10::Device dev, const c10::cuda::CUDAStream& comm_stream) {
+  CudaEvent start;
+  start.record(c10::cuda::getCurrentCUDAStream(dev.index()));
+  start.block(comm_stream);
+}
+
+void enqueueP2P(const std::vector<comm::P2POp>& ops, ncclComm_t comm, cudaStream_t s,
+                const std::string& what) {
+  NcclGroup group(what);
+  for (const auto& op : ops) {
+    if (op.kind == comm::P2POp::kSend)
+      ncclSendTensor(op.tensor, op.peer, comm, s, what);
+    else
+      ncclRecvTensor(op.tensor, op.peer, comm, s, what);
+  }
+  group.end();
+}
+
+void checkPeers(const std::vector<comm::P2POp>& ops, int rank, int size, const std::string& what) {
+  for (const auto& op : ops)
+    TORCH_CHECK(op.peer >= 0 && op.peer < size && op.peer != rank, "bytescale ", what,
+                ": peer rank ", op.peer, " is not another rank of the world of ", size);
+}
+
+}  // namespace
+
+NcclTransport::NcclTransport(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                             std::chrono::milliseconds timeout)
+    : rank_(rank),
+      size_(size),
+      timeout_(timeout),
+      comm_(std::make_shared<NcclComm>(std::move(store), rank, size, timeout)),
+      watchdog_(comm_, rank) {}
+
+NcclTransport::~NcclTransport() { shutdown(); }
+
+void NcclTransport::shutdown() {
+  watchdog_.stop();
+  comm_->destroy();
+}
+
+void NcclTransport::abort(const std::string& reason) { comm_->abort(reason); }
+
+c10::intrusive_ptr<NcclWork> NcclTransport::launch(comm::WorkInfo info,
+                                                   const std::vector<at::Tensor>& inputs,
+                                                   std::vector<at::Tensor> outputs,
+                                                   const Enqueue& enqueue, LaunchOptions options) {
+  if (options.connect) {
+    const auto& any = !inputs.empty() ? inputs : outputs;  // scatter off the root: no inputs
+    if (!any.empty()) comm_->connect(any[0].device().index());
+  }
+  ncclComm_t comm = comm_->require(info.what);
+  const c10::Device dev = comm_->device();
+  c10::cuda::CUDAGuard guard(dev);
+  auto stream = comm_->stream();
+  followCaller(dev, stream);
+  std::vector<at::Tensor> keep = inputs;
+  keep.insert(keep.end(), outputs.begin(), outputs.end());
+  if (info.timeout <= std::chrono::milliseconds(0)) info.timeout = timeout_;
+  auto work = c10::make_intrusive<NcclWork>(rank_, std::move(info), dev, keep, std::move(outputs),
+                                            comm_, options.cpu_sync);
+  {
+    c10::cuda::CUDAStreamGuard sg(stream);
+    enqueue(comm, stream.stream());
+    for (const auto& t : keep)
+      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
+    work->recordEnd(stream);
+  }
+  watchdog_.track(work);
+  return work;
+}
+
+std::unique_ptr<comm::PendingExchange> NcclTransport::exchange(const std::vector<comm::P2POp>& ops,
+                                                               const std::string& what) {
+  ncclComm_t comm = comm_->require(what);
+  checkPeers(ops, rank_, size_, what);
+  const c10::Device dev = comm_->device();
+  std::vector<at::Tensor> ts;
+  for (const auto& op : ops) ts.push_back(op.tensor);
+  checkNcclTensors(ts, dev, what);
+  c10::cuda::CUDAGuard guard(dev);
+  auto stream = comm_->stream();
+  followCaller(dev, stream);
+  enqueueP2P(ops, comm, stream.stream(), what);
+  for (const auto& t : ts)
+    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
+  auto end = std::make_shared<CudaEvent>();
+  end->record(stream);
+  return std::make_unique<NcclExchange>(dev, std::move(end));
+}
+
+c10::intrusive_ptr<c10d::Work> NcclTransport::post(const std::vector<comm::P2POp>& ops,
+                                                   comm::WorkInfo info) {
+  checkPeers(ops, rank_, size_, info.what);
+  std::vector<at::Tensor> ts;
+  for (const auto& op : ops) ts.push_back(op.tensor);
+  const std::string what = info.what;
+  comm_->require(what);
+  checkNcclTensors(ts, comm_->device(), what);
+  return launch(std::move(info), ts, ts,
+                [&](ncclComm_t c, cudaStream_t s) { enqueueP2P(ops, c, s, what); }, {});
+}
+
+c10::intrusive_ptr<c10d::Work> NcclTransport::run(comm::WorkInfo info,
+                                                  std::vector<at::Tensor> outputs,
+                                                  std::function<void()> body) {
+  // A world of one has no peer to deadlock with: create the communicator on first use. With
+  // more ranks it must come from a world collective (or device_id=), run by every rank.
+  if (size_ == 1 && !outputs.empty() && outputs[0].is_cuda())
+    comm_->connect(outputs[0].device().index());
+  return launch(std::move(info), {}, std::move(outputs),
+                [&](ncclComm_t, cudaStream_t) { body(); }, {});
+}
+
+}  // namespace cuda
+}  // namespace bytescale

@@ -1,0 +1,199 @@
+#include "cuda/comm/nccl_utils.h"
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cstring>
+
+namespace bytescale {
+namespace cuda {
+
+ncclDataType_t ncclType(at::ScalarType t, const std::string& what) {
+  switch (t) {
+    case at::kFloat: return ncclFloat32;
+    case at::kDouble: return ncclFloat64;
+    case at::kHalf: return ncclFloat16;
+    case at::kBFloat16: return ncclBfloat16;
+    case at::kChar: return ncclInt8;
+    case at::kByte: return ncclUint8;
+    case at::kBool: return ncclUint8;
+    case at::kInt: return ncclInt32;
+    case at::kLong: return ncclInt64;
+    default:
+      TORCH_CHECK(false, "bytescale ", what, ": dtype ", t, " is not supported by NCCL");
+  }
+}
+
+NcclRedOp::NcclRedOp(const c10d::ReduceOp& op, const at::Tensor& t, ncclComm_t comm,
+                     const std::string& what) {
+  const bool is_bool = t.scalar_type() == at::kBool;  // uint8 on the wire: SUM = OR, PRODUCT = AND
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: op_ = is_bool ? ncclMax : ncclSum; return;
+    case c10d::ReduceOp::PRODUCT: op_ = is_bool ? ncclMin : ncclProd; return;
+    case c10d::ReduceOp::MIN: op_ = ncclMin; return;
+    case c10d::ReduceOp::MAX: op_ = ncclMax; return;
+    case c10d::ReduceOp::AVG: op_ = ncclAvg; return;  // floating dtype checked by validate()
+    case c10d::ReduceOp::PREMUL_SUM: {
+      auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+      TORCH_CHECK(sup, "bytescale ", what, ": PREMUL_SUM without a factor");
+      TORCH_CHECK(!sup->tensor_factor.defined() || sup->tensor_factor.numel() == 1, "bytescale ",
+                  what, ": PREMUL_SUM factor must be a scalar");
+      double f = sup->tensor_factor.defined() ? sup->tensor_factor.item<double>()
+                                              : sup->double_factor;
+      ncclDataType_t dt = ncclType(t.scalar_type(), what);
+      float ff = static_cast<float>(f);
+      at::Half hf = static_cast<at::Half>(f);
+      at::BFloat16 bf = static_cast<at::BFloat16>(f);
+      void* scalar = t.scalar_type() == at::kDouble     ? static_cast<void*>(&f)
+                     : t.scalar_type() == at::kHalf     ? static_cast<void*>(&hf)
+                     : t.scalar_type() == at::kBFloat16 ? static_cast<void*>(&bf)
+                                                        : static_cast<void*>(&ff);
+      BYTESCALE_NCCL_CHECK(ncclRedOpCreatePreMulSum(&op_, scalar, dt, ncclScalarHostImmediate, comm),
+                           what);
+      comm_ = comm;
+      return;
+    }
+    default:
+      TORCH_CHECK(false, "bytescale ", what, ": reduce op ", static_cast<int>(op.op_),
+                  " (bitwise) is not supported by NCCL");
+  }
+}
+
+NcclRedOp::~NcclRedOp() {
+  if (comm_) (void)ncclRedOpDestroy(op_, comm_);
+}
+
+NcclGroup::NcclGroup(std::string what) : what_(std::move(what)) {
+  BYTESCALE_NCCL_CHECK(ncclGroupStart(), what_);
+  open_ = true;
+}
+
+void NcclGroup::end() {
+  open_ = false;
+  BYTESCALE_NCCL_CHECK(ncclGroupEnd(), what_);
+}
+
+NcclGroup::~NcclGroup() {
+  if (open_) (void)ncclGroupEnd();
+}
+
+void checkNcclTensors(const std::vector<at::Tensor>& ts, c10::Device device,
+                      const std::string& what) {
+  for (const auto& t : ts) {
+    TORCH_CHECK(t.is_cuda() && t.device() == device, "bytescale ", what, ": tensor on ",
+                t.device(), " but the NCCL communicator lives on ", device);
+    TORCH_CHECK(t.is_contiguous(), "bytescale ", what, ": NCCL needs contiguous tensors (shape ",
+                t.sizes(), ")");
+  }
+}
+
+void ncclSendTensor(const at::Tensor& t, int peer, ncclComm_t comm, cudaStream_t s,
+                    const std::string& what) {
+  if (t.numel() == 0) return;
+  BYTESCALE_NCCL_CHECK(
+      ncclSend(t.data_ptr(), t.numel(), ncclType(t.scalar_type(), what), peer, comm, s), what);
+}
+
+void ncclRecvTensor(const at::Tensor& t, int peer, ncclComm_t comm, cudaStream_t s,
+                    const std::string& what) {
+  if (t.numel() == 0) return;
+  BYTESCALE_NCCL_CHECK(
+      ncclRecv(t.data_ptr(), t.numel(), ncclType(t.scalar_type(), what), peer, comm, s), what);
+}
+
+// ---- NcclComm ---------------------------------------------------------------------------------
+
+NcclComm::NcclComm(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                   std::chrono::milliseconds timeout)
+    : store_(std::move(store)), rank_(rank), size_(size), timeout_(timeout) {}
+
+NcclComm::~NcclComm() { destroy(); }
+
+void NcclComm::connect(c10::DeviceIndex dev) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (comm_ || aborted_) {
+    TORCH_CHECK(dev == device_.index(), "bytescale: the NCCL communicator lives on cuda:",
+                static_cast<int>(device_.index()), " but a tensor is on cuda:",
+                static_cast<int>(dev));
+    return;
+  }
+  device_ = c10::Device(c10::DeviceType::CUDA, dev);
+  c10::cuda::CUDAGuard guard(device_);
+  ncclUniqueId id;
+  const std::string key = "bytescale/nccl_uid";
+  if (rank_ == 0) {
+    BYTESCALE_NCCL_CHECK(ncclGetUniqueId(&id), "communicator init");
+    std::vector<uint8_t> bytes(reinterpret_cast<uint8_t*>(&id),
+                               reinterpret_cast<uint8_t*>(&id) + sizeof(id));
+    store_->set(key, bytes);
+  } else {
+    store_->wait({key}, timeout_);
+    auto bytes = store_->get(key);
+    TORCH_CHECK(bytes.size() == sizeof(id), "bytescale: bad NCCL unique id in the store");
+    std::memcpy(&id, bytes.data(), sizeof(id));
+  }
+  BYTESCALE_NCCL_CHECK(ncclCommInitRank(&comm_, size_, id, rank_), "communicator init");
+  stream_ = c10::cuda::getStreamFromPool(true, dev);
+}
+
+bool NcclComm::connected() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return comm_ != nullptr;
+}
+
+ncclComm_t NcclComm::require(const std::string& what) {
+  std::lock_guard<std::mutex> g(mu_);
+  TORCH_CHECK_WITH(DistBackendError, !aborted_, "bytescale ", what,
+                   ": the NCCL communicator was aborted (", abort_reason_, ")");
+  TORCH_CHECK(comm_, "bytescale ", what, ": the NCCL communicator does not exist yet; pass "
+              "device_id= to init_process_group or run a world collective first (creating it from "
+              "a subset of ranks would deadlock)");
+  return comm_;
+}
+
+c10::Device NcclComm::device() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return device_;
+}
+
+c10::cuda::CUDAStream NcclComm::stream() const {
+  std::lock_guard<std::mutex> g(mu_);
+  TORCH_CHECK(stream_, "bytescale: the NCCL communicator is not connected");
+  return *stream_;
+}
+
+void NcclComm::abort(const std::string& reason) {
+  ncclComm_t comm = nullptr;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (aborted_.exchange(true)) return;
+    abort_reason_ = reason;
+    std::swap(comm, comm_);
+  }
+  if (comm) (void)ncclCommAbort(comm);
+}
+
+std::string NcclComm::abortReason() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return abort_reason_;
+}
+
+std::optional<std::string> NcclComm::asyncError() {
+  std::lock_guard<std::mutex> g(mu_);
+  ncclResult_t async = ncclSuccess;
+  if (comm_ && ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess)
+    return std::string("asynchronous NCCL error: ") + ncclGetErrorString(async);
+  return std::nullopt;
+}
+
+void NcclComm::destroy() {
+  ncclComm_t comm = nullptr;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    std::swap(comm, comm_);
+  }
+  if (comm) (void)ncclCommDestroy(comm);
+}
+
+}  // namespace cuda
+}  // namespace bytescale

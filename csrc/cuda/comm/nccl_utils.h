@@ -1,0 +1,113 @@
+// NCCL helpers of the CUDA comm plug-in (after ProcessGroupNCCL's NCCLUtils): error checks, dtype
+// and reduce-op mapping, an exception-safe NCCL group, and NcclComm, the one world communicator
+// with its communication stream and abort state.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAStream.h>
+#include <nccl.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+// Raises a c10::DistBackendError naming `what` and NCCL's description of the error.
+#define BYTESCALE_NCCL_CHECK(call, what)                                                    \
+  do {                                                                                      \
+    ncclResult_t bytescale_nccl_res_ = (call);                                              \
+    TORCH_CHECK_WITH(DistBackendError, bytescale_nccl_res_ == ncclSuccess, "bytescale ",    \
+                     what, ": NCCL error in " #call ": ",                                   \
+                     ncclGetErrorString(bytescale_nccl_res_));                              \
+  } while (0)
+
+namespace bytescale {
+namespace cuda {
+
+ncclDataType_t ncclType(at::ScalarType t, const std::string& what);
+
+// A reduce op for NCCL; a PREMUL_SUM op is created on the communicator and destroyed with this.
+class NcclRedOp {
+ public:
+  NcclRedOp(const c10d::ReduceOp& op, const at::Tensor& t, ncclComm_t comm,
+            const std::string& what);
+  ~NcclRedOp();
+  NcclRedOp(const NcclRedOp&) = delete;
+  NcclRedOp& operator=(const NcclRedOp&) = delete;
+  ncclRedOp_t get() const { return op_; }
+
+ private:
+  ncclRedOp_t op_ = ncclSum;
+  ncclComm_t comm_ = nullptr;  // set when op_ was created (PREMUL_SUM)
+};
+
+// Closes an NCCL group even when an exception unwinds between ncclGroupStart and ncclGroupEnd
+// (an open group would silently queue every later NCCL call on this thread).
+class NcclGroup {
+ public:
+  explicit NcclGroup(std::string what);
+  void end();
+  ~NcclGroup();
+  NcclGroup(const NcclGroup&) = delete;
+  NcclGroup& operator=(const NcclGroup&) = delete;
+
+ private:
+  std::string what_;
+  bool open_ = false;
+};
+
+// Every tensor must be a contiguous CUDA tensor on `device` (NCCL works on raw buffers).
+void checkNcclTensors(const std::vector<at::Tensor>& ts, c10::Device device,
+                      const std::string& what);
+
+// Sends / receives one contiguous tensor (or `numel` elements from `offset` elements in).
+void ncclSendTensor(const at::Tensor& t, int peer, ncclComm_t comm, cudaStream_t s,
+                    const std::string& what);
+void ncclRecvTensor(const at::Tensor& t, int peer, ncclComm_t comm, cudaStream_t s,
+                    const std::string& what);
+
+// The world communicator: created once, on one device, by every rank (a world collective or an
+// eager connect); aborted by the watchdog on a timeout or an asynchronous NCCL error.
+class NcclComm {
+ public:
+  NcclComm(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+           std::chrono::milliseconds timeout);
+  ~NcclComm();  // destroys (or aborts) the communicator; never throws
+
+  // Creates the communicator on cuda:`device` unless it exists; checks a later device matches.
+  void connect(c10::DeviceIndex device);
+  bool connected() const;
+  // The communicator for an op; raises naming `what` if it does not exist yet or was aborted.
+  ncclComm_t require(const std::string& what);
+  c10::Device device() const;
+  c10::cuda::CUDAStream stream() const;  // the communication stream (connected only)
+
+  // Aborts the communicator (idempotent); later require() and waits raise naming `reason`.
+  void abort(const std::string& reason);
+  bool aborted() const { return aborted_.load(); }
+  std::string abortReason() const;
+  // NCCL's asynchronous error, if any (ncclCommGetAsyncError).
+  std::optional<std::string> asyncError();
+  // Destroys the communicator cleanly (abort if it was aborted). Idempotent.
+  void destroy();
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+  int rank_;
+  int size_;
+  std::chrono::milliseconds timeout_;
+  mutable std::mutex mu_;
+  ncclComm_t comm_ = nullptr;
+  c10::Device device_{c10::DeviceType::CUDA, 0};
+  std::optional<c10::cuda::CUDAStream> stream_;
+  std::atomic<bool> aborted_{false};
+  std::string abort_reason_;
+};
+
+}  // namespace cuda
+}  // namespace bytescale
