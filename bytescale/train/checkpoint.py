@@ -23,6 +23,7 @@ nothing is written.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -142,9 +143,12 @@ class Checkpointer:
     """Save and find checkpoints of one run in ``directory`` (see module docstring).
 
     Collective: construct, :meth:`save`, :meth:`load` and :meth:`wait` on every rank.
+    ``timeout``: of the background writer's Gloo group (None: torch's default for Gloo, 30 min);
+    the trainer passes the run's process-group timeout.
     """
 
-    def __init__(self, directory: str, keep: int = 3, async_save: bool = True) -> None:
+    def __init__(self, directory: str, keep: int = 3, async_save: bool = True,
+                 timeout: Optional[datetime.timedelta] = None) -> None:
         self.dir = Path(directory)
         self.keep = int(keep)
         self.async_save = bool(async_save)
@@ -152,8 +156,9 @@ class Checkpointer:
         run = [f"{int(time.time() * 1e3):x}-{os.getpid()}"]
         dist.broadcast_object_list(run, src=0)
         self.run_id = run[0]
-        # the background writer gets a communicator of its own (a Gloo group beside the world)
-        self.group = dist.new_group(backend="gloo") if self.async_save else None
+        # the background writer gets a communicator of its own (a Gloo group beside the world),
+        # with the run's timeout: a dead peer fails a save in time instead of after Gloo's 30 min
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if self.async_save else None
         self._pending: Optional[Tuple[Any, Path, Path]] = None
         if self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)

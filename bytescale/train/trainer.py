@@ -17,6 +17,7 @@ import json
 import os
 import pickle
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -29,7 +30,23 @@ from .checkpoint import AppState, Checkpointer, CheckpointError, list_checkpoint
 from .config import ConfigError, TrainConfig
 from .metrics import MetricsLogger, peak_flops, plot_runs
 
-__all__ = ["Trainer", "init_distributed"]
+__all__ = ["Trainer", "init_distributed", "train_timeout"]
+
+
+def train_timeout() -> datetime.timedelta:
+    """The process groups' timeout: ``BYTESCALE_TRAIN_TIMEOUT_S`` seconds (default 600).
+
+    Every collective and ring exchange of a run that waits longer than this for a peer raises
+    (naming the op and the peer); so does the background checkpoint writer's group.
+    """
+    raw = os.environ.get("BYTESCALE_TRAIN_TIMEOUT_S", "600")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ConfigError(f"BYTESCALE_TRAIN_TIMEOUT_S must be a positive number of seconds, got {raw!r}")
+    return datetime.timedelta(seconds=seconds)
 
 
 def init_distributed(device: str) -> bool:
@@ -45,7 +62,7 @@ def init_distributed(device: str) -> bool:
             port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port), BYTESCALE_TRAIN_SOLO="1")
-    timeout = datetime.timedelta(seconds=int(os.environ.get("BYTESCALE_TRAIN_TIMEOUT_S", "600")))
+    timeout = train_timeout()
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
@@ -86,7 +103,7 @@ class Trainer:
         try:
             self._build()
         except BaseException:
-            self.close()
+            self.close(after_error=True)
             raise
 
     # -- construction ---------------------------------------------------------------------------
@@ -142,7 +159,7 @@ class Trainer:
                          else contextlib.nullcontext())
         if cfg.checkpoint.dir:
             self.checkpointer = Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep,
-                                             async_save=cfg.checkpoint.async_save)
+                                             async_save=cfg.checkpoint.async_save, timeout=train_timeout())
             self._resume()
             self.checkpointer.clean_partial()
         mt = cfg.metrics
@@ -381,25 +398,37 @@ class Trainer:
         if out and plot_runs({self.name: records}, out):
             self._log0(f"[{self.name}] loss and throughput plot: {out}")
 
-    def close(self) -> None:
-        """Release the loader, the background writer, the logs and (if created here) the process group."""
-        if self.checkpointer is not None:
+    def close(self, after_error: bool = False) -> None:
+        """Release the background writer, the loader, the logs and (if created here) the process group.
+
+        ``after_error``: the run is ending with an exception (often a dead peer, which also fails a
+        pending background save): every release is still attempted, and one that fails is reported
+        on stderr instead of raised, so the error that ended the run is the one that propagates.
+        """
+        def release(what: str, fn) -> None:
             try:
-                self.checkpointer.close()
-            finally:
-                self.checkpointer = None
+                fn()
+            except Exception as e:
+                if not after_error:
+                    raise
+                print(f"bytescale.train: rank {self.rank}: {what} failed while closing after the error: "
+                      f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+        if self.checkpointer is not None:
+            ck, self.checkpointer = self.checkpointer, None
+            release("the checkpoint writer", ck.close)
         if self.loader is not None:
-            self.loader.close()
-            self.loader = None
+            loader, self.loader = self.loader, None
+            release("the loader", loader.close)
         if getattr(self, "source", None) is not None:
-            self.source.close()
-            self.source = None
+            source, self.source = self.source, None
+            release("the batch source", source.close)
         if self.service is not None:
-            self.service.close()
-            self.service = None
+            service, self.service = self.service, None
+            release("the data service", service.close)
         if self.logger is not None:
-            self.logger.close()
-            self.logger = None
+            logger, self.logger = self.logger, None
+            release("the metrics logger", logger.close)
         if self.owns_pg and dist.is_initialized():
-            dist.destroy_process_group()
             self.owns_pg = False
+            release("destroying the process group", dist.destroy_process_group)

@@ -1,10 +1,11 @@
 """One rank of a fault-injection run (tests/train/test_faults.py): ``python fault_inject.py SPEC ARGS...``.
 
-SPEC is JSON: ``{"point": P, "rank": R, "step": K, "report": FILE}``. The process runs the real
-training entry point (``bytescale.train.__main__.main(ARGS)``) unchanged. If this is rank R, a
-test-only hook wraps the Python function at point P and SIGKILLs this process the first time that
-function is entered at training step >= K (the process dies there: no cleanup, no exception,
-sockets closed by the kernel, exactly like a crashed or OOM-killed rank):
+SPEC is JSON: ``{"point": P, "rank": R, "step": K, "signal": S, "report": FILE}``. The process runs
+the real training entry point (``bytescale.train.__main__.main(ARGS)``) unchanged. If this is rank
+R, a test-only hook wraps the Python function at point P and sends this process signal S the first
+time that function is entered at training step >= K: SIGKILL (the process dies there: no cleanup,
+no exception, sockets closed by the kernel, like a crashed or OOM-killed rank) or SIGSTOP (it
+freezes with its connections open, like a hung rank: the others can only time out):
 
 * ``ring``: ``bytescale.attention.layout.ring_attention``, a sharded micro-batch's ring attention
   (the other ring members are then inside the K/V exchange);
@@ -29,10 +30,13 @@ import time
 import traceback
 
 
+_SIGNAL = signal.SIGKILL
+
+
 def _die() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), _SIGNAL)
 
 
 def _install(point: str, at_step: int) -> None:
@@ -105,6 +109,8 @@ def main() -> int:
     spec = json.loads(sys.argv[1])
     rank = int(os.environ["RANK"])
     if rank == spec["rank"] and spec["point"] != "none":
+        global _SIGNAL
+        _SIGNAL = signal.Signals[spec.get("signal", "SIGKILL")]
         _install(spec["point"], int(spec["step"]))
     from bytescale.train.__main__ import main as train_main
 
