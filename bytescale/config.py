@@ -110,6 +110,9 @@ ENV_KNOBS = {
     "BYTESCALE_CHECK_COLLECTIVES": (
         "1", "0 turns off the cross-rank fingerprint check before CPU collectives (same value on "
              "every rank); read once per process (csrc/common/env.h)."),
+    "BYTESCALE_TRAIN_TIMEOUT_S": (
+        "600", "python -m bytescale.train: the process groups' timeout in seconds (a collective or ring "
+               "exchange waiting longer for a peer raises; the checkpoint writer's group too)."),
     "BYTESCALE_ATTENTION_KERNEL": (
         "auto", "per-ring-step attention kernel on CUDA: auto, flash, cudnn or tiled; read once "
                 "per process (csrc/common/env.h)."),

@@ -16,8 +16,8 @@ the newest complete checkpoint (``--resume``) and one rank (chosen by the seed) 
   dyn_group    a dynamic group's all-reduce (the MoE counts of a sharded document)
   fingerprint  the loader's per-step plan fingerprint all-reduce (a 2-rank job: one survivor)
   wallclock    anywhere: the parent SIGKILLs it at a random time after the job's second step
-  hang         a gradient bucket's all-reduce, but SIGSTOP: the rank freezes with its sockets
-               open, so the survivors can only time out
+  hang         the ring's backward (dK/dV exchange), but SIGSTOP: the rank freezes with its
+               sockets open, so the survivors can only time out
 
 Per stage: the victim died (or froze) at its point; every survivor exits by a Python exception
 (status 1, not a signal) within PG_TIMEOUT_S + MARGIN_S of the fault, its error is a RuntimeError
@@ -75,7 +75,7 @@ def _job(d: Path, name: str, world: int, args: List, point: str = "none", victim
          kill_delay: float = 0.0) -> Dict:
     """Run one job; returns {procs, exits (wall time of each exit), fault (time of the fault), reports, logs}."""
     report = d / f"{name}.report"
-    hook = {"wallclock": "none", "hang": "grad_sync"}.get(point, point)
+    hook = {"wallclock": "none", "hang": "ring_bwd"}.get(point, point)
     spec = json.dumps({"point": hook, "rank": victim, "step": at_step, "signal": sig, "report": str(report)})
     port, procs, logs = _port(), [], []
     for r in range(world):
