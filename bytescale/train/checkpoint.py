@@ -205,7 +205,11 @@ class Checkpointer:
             return
         fut, tmp, final = self._pending
         self._pending = None
-        fut.result()
+        try:
+            fut.result()
+        except Exception as e:  # e.g. a peer died or hung: Gloo's error alone names no checkpoint
+            raise RuntimeError(f"checkpoint {final.name}: the background save into {tmp} failed (it stays "
+                               f"incomplete; --resume ignores it): {type(e).__name__}: {e}") from e
         self._finish(tmp, final)
 
     def _finish(self, tmp: Path, final: Path) -> None:

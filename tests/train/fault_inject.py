@@ -10,6 +10,8 @@ freezes with its connections open, like a hung rank: the others can only time ou
 * ``ring``: ``bytescale.attention.layout.ring_attention``, a sharded micro-batch's ring attention
   (the other ring members are then inside the K/V exchange);
 * ``ring_bwd``: ``torch.ops.bytescale.ring_attn_bwd``, the ring's backward (dK/dV exchange);
+* ``checkpoint``: ``Checkpointer.save``, the start of a checkpoint save (the others' background
+  writers are then in DCP's collectives);
 * ``grad_sync``: ``HybridDataParallel._launch``, the start of a gradient bucket's all-reduce;
 * ``fingerprint``: ``HDPLoader._verify``, the loader's per-step plan fingerprint all-reduce;
 * ``dyn_group``: ``torch.distributed.all_reduce`` on a :class:`bytescale.comm.DynamicGroup` (the
@@ -77,6 +79,10 @@ def _install(point: str, at_step: int) -> None:
         from bytescale.attention import ops  # noqa: F401  (registers the ops and their autograd)
 
         kill_on_entry(torch.ops.bytescale, "ring_attn_bwd")
+    elif point == "checkpoint":
+        from bytescale.train.checkpoint import Checkpointer
+
+        kill_on_entry(Checkpointer, "save")
     elif point == "grad_sync":
         from bytescale.runtime.parallel import HybridDataParallel
 

@@ -12,12 +12,14 @@ the newest complete checkpoint (``--resume``) and one rank (chosen by the seed) 
 (tests/train/fault_inject.py) when it enters, 2 or 3 steps after the resume point:
 
   ring         the ring-attention op of a sharded micro-batch (its ring peers are in the exchange)
-  grad_sync    a gradient bucket's all-reduce (HybridDataParallel)
+  grad_sync    a gradient bucket's all-reduce (HybridDataParallel; a 2-rank job: one survivor)
   dyn_group    a dynamic group's all-reduce (the MoE counts of a sharded document)
-  fingerprint  the loader's per-step plan fingerprint all-reduce (a 2-rank job: one survivor)
-  wallclock    anywhere: the parent SIGKILLs it at a random time after the job's second step
-  hang         the ring's backward (dK/dV exchange), but SIGSTOP: the rank freezes with its
+  fingerprint  the loader's per-step plan fingerprint all-reduce (2 ranks)
+  ring_bwd     the ring's backward (dK/dV exchange), with SIGSTOP: the rank freezes with its
                sockets open, so the survivors can only time out
+  checkpoint   the start of a checkpoint save, with SIGSTOP (2 ranks): the survivors' background
+               writers wait in DCP's collectives on their Gloo group (Gloo's default: 30 min)
+  wallclock    anywhere: the parent SIGKILLs it at a random time after the job's second step
 
 Per stage: the victim died (or froze) at its point; every survivor exits by a Python exception
 (status 1, not a signal) within PG_TIMEOUT_S + MARGIN_S of the fault, its error is a RuntimeError
@@ -46,7 +48,7 @@ from train_launch import REPO, jsonl
 
 pytestmark = [pytest.mark.multiprocess]
 
-STEPS = 16
+STEPS = 18  # each faulty job progresses by at most 2 checkpoints (the wall-clock one, last, a little more)
 PG_TIMEOUT_S = 5
 MARGIN_S = 20.0  # the survivor's teardown and interpreter exit on a loaded 2-core machine
 JOB_TIMEOUT_S = 120.0  # hard limit of one job; stragglers are SIGKILLed and the stage fails
@@ -57,10 +59,12 @@ TRAIN = ["--data", "synthetic:byted", "--synthetic-docs", "200", "--synthetic-sc
          "--warmup-steps", "2", "--progress=false"]
 CKPT = ["--save-every", "1", "--keep", "2", "--resume"]  # the faulty jobs: a checkpoint after every step
 # (point, world size, signal)
-STAGES = [("ring", 3, "SIGKILL"), ("grad_sync", 3, "SIGKILL"), ("dyn_group", 3, "SIGKILL"),
-          ("fingerprint", 2, "SIGKILL"), ("wallclock", 3, "SIGKILL"), ("hang", 3, "SIGSTOP")]
+STAGES = [("ring", 3, "SIGKILL"), ("grad_sync", 2, "SIGKILL"), ("dyn_group", 3, "SIGKILL"),
+          ("fingerprint", 2, "SIGKILL"), ("ring_bwd", 3, "SIGSTOP"), ("checkpoint", 2, "SIGSTOP"),
+          ("wallclock", 3, "SIGKILL")]
 # a survivor's error: "bytescale <op> on <group> [ranks] ...", naming a peer rank or the timeout
-CLEAR = re.compile(r"bytescale [\w ]+ on (world group|dynamic group|group|ring) \[[\d, ]+\]")
+CLEAR = re.compile(r"bytescale [\w ]+ on (world group|dynamic group|group|ring) \[[\d, ]+\]|"
+                   r"checkpoint step-\d+: the background save into .* failed")
 PEER = re.compile(r"rank \d+|peer|timed out|timeout", re.I)
 
 
@@ -75,7 +79,7 @@ def _job(d: Path, name: str, world: int, args: List, point: str = "none", victim
          kill_delay: float = 0.0) -> Dict:
     """Run one job; returns {procs, exits (wall time of each exit), fault (time of the fault), reports, logs}."""
     report = d / f"{name}.report"
-    hook = {"wallclock": "none", "hang": "ring_bwd"}.get(point, point)
+    hook = "none" if point == "wallclock" else point
     spec = json.dumps({"point": hook, "rank": victim, "step": at_step, "signal": sig, "report": str(report)})
     port, procs, logs = _port(), [], []
     for r in range(world):
@@ -222,10 +226,14 @@ def test_survivors_fail_clearly_in_time_and_the_job_resumes(chain, point):
         took = job["exits"][i] - job["fault"]
         assert took <= PG_TIMEOUT_S + MARGIN_S, f"{what}: rank {i} took {took:.1f} s to fail: {msg}"
         assert f"bytescale.train: rank {i} failed at step" in job["logs"][i] and "--resume" in job["logs"][i]
+        if point == "checkpoint":  # its background writer waited on the frozen rank: a timeout, not 30 min
+            assert "the checkpoint writer failed while closing after the error" in job["logs"][i], job["logs"][i][-3000:]
         print(f"{what}: rank {i} raised after {rep['time'] - job['fault']:.1f} s, exited after {took:.1f} s: {msg[:240]}")
     steps = _same_curve(chain["ref"], chain["dir"], name)
     assert steps == list(range(job["start"], job["start"] + len(steps))), steps
-    if point != "wallclock":  # the fault came in step `at`, before it was logged
+    if point == "checkpoint":  # the save after step `at`
+        assert all(s <= job["at"] for s in steps), steps
+    elif point != "wallclock":  # the fault came in step `at`, before it was logged
         assert all(s < job["at"] for s in steps), steps
 
 
