@@ -18,7 +18,8 @@ model, :mod:`bytescale.sim.model`):
 
 The micro-batch durations go to the C++ replay (``bytescale._C.planner.replay_schedule``): every
 rank runs its micro-batches in order, a ring micro-batch starts when all its members are free, and
-the waiting is idle time. After the last micro-batch: the gradient synchronisation (a ring
+the waiting is idle time (so is a ring member's wait for the ring's slowest member: zig-zag
+shards can differ by a token). After the last micro-batch: the gradient synchronisation (a ring
 all-reduce of bf16 gradients over all ranks, not overlapped with compute: conservative, the same
 for every strategy). Before the first: the data-loading stall (``Schedule.loader``): ``global``
 costs ``global batch tokens x 4 bytes / loader_bw`` (every node reads the whole batch to learn its
@@ -142,7 +143,9 @@ def simulate(s: Schedule, cl: ClusterSpec, shape: ModelShape, cost: Any, tokens:
     step = float(rep.step_time) + sync + stall
     flops = shape.flops(tokens, sum_sq)
     comp, comm, off = _per_rank(s, t["compute"]), _per_rank(s, t["comm"]), _per_rank(s, t["offload"])
-    idle = np.asarray(rep.rank_idle, dtype=np.float64).copy()
+    # idle = waiting for ring partners (including a ring's faster members waiting for its slowest
+    # one, which the replay counts as busy) + the tail after the rank's last micro-batch
+    idle = float(rep.step_time) - (comp + comm + off)
     return SimResult(
         strategy=s.strategy, step_time_s=step, tokens=int(tokens),
         tokens_per_s=tokens / step if step > 0 else float("inf"),
