@@ -25,7 +25,9 @@ for every strategy). Before the first: the data-loading stall (``Schedule.loader
 costs ``global batch tokens x 4 bytes / loader_bw`` (every node reads the whole batch to learn its
 lengths before the plan exists), ``local`` and ``remote`` are prefetched under the previous step.
 
-Per rank, ``compute + exposed_comm + offload + idle + grad_sync + data_stall == step_time``.
+Per rank, ``compute + exposed_comm + offload + idle + grad_sync + data_stall + step_overhead ==
+step_time`` (``step_overhead``: a stated fixed per-step cost such as the optimizer step, 0 unless
+given).
 """
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ class SimResult:
     idle: np.ndarray
     grad_sync_s: float
     data_stall_s: float
+    step_overhead_s: float
     mb_start: np.ndarray
     mb_end: np.ndarray
     mb_compute: np.ndarray
@@ -75,7 +78,8 @@ class SimResult:
         """Seconds per step, averaged over ranks (they sum to ``step_time_s``)."""
         return {"compute_s": float(self.compute.mean()), "exposed_comm_s": float(self.exposed_comm.mean()),
                 "offload_s": float(self.offload.mean()), "idle_s": float(self.idle.mean()),
-                "grad_sync_s": self.grad_sync_s, "data_stall_s": self.data_stall_s}
+                "grad_sync_s": self.grad_sync_s, "data_stall_s": self.data_stall_s,
+                "step_overhead_s": self.step_overhead_s}
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON record of the strategy (CLI ``--json``)."""
@@ -123,10 +127,13 @@ def _per_rank(s: Schedule, x: np.ndarray) -> np.ndarray:
 
 
 def simulate(s: Schedule, cl: ClusterSpec, shape: ModelShape, cost: Any, tokens: int,
-             sum_sq: float, grad_bytes: Optional[float] = None) -> SimResult:
+             sum_sq: float, grad_bytes: Optional[float] = None, step_overhead_s: float = 0.0) -> SimResult:
     """Simulates one step of schedule ``s`` (module docstring). ``tokens``/``sum_sq``: the global
     batch's tokens and sum of squared document lengths (for tokens/s and MFU); ``grad_bytes``:
-    bytes all-reduced per step (default: bf16 gradients of every parameter)."""
+    bytes all-reduced per step (default: bf16 gradients of every parameter); ``step_overhead_s``:
+    a fixed per-step cost outside the micro-batches (the optimizer step, gradient clipping; 0 by
+    default: negligible next to a large model's step, measured by ``benchmarks/validate_sim.py``
+    for its CPU runs)."""
     from .. import _C
 
     if s.world > cl.gpus:
@@ -140,7 +147,9 @@ def simulate(s: Schedule, cl: ClusterSpec, shape: ModelShape, cost: Any, tokens:
     stall = 0.0
     if s.loader == "global":
         stall = tokens * BYTES_PER_TOKEN_READ / cl.loader_bw
-    step = float(rep.step_time) + sync + stall
+    if not step_overhead_s >= 0:
+        raise ValueError(f"step_overhead_s must be >= 0, got {step_overhead_s!r}")
+    step = float(rep.step_time) + sync + stall + step_overhead_s
     flops = shape.flops(tokens, sum_sq)
     comp, comm, off = _per_rank(s, t["compute"]), _per_rank(s, t["comm"]), _per_rank(s, t["offload"])
     # idle = waiting for ring partners (including a ring's faster members waiting for its slowest
@@ -151,6 +160,7 @@ def simulate(s: Schedule, cl: ClusterSpec, shape: ModelShape, cost: Any, tokens:
         tokens_per_s=tokens / step if step > 0 else float("inf"),
         mfu=flops / (step * s.world * cl.peak_flops) if step > 0 else 0.0,
         compute=comp, exposed_comm=comm, offload=off, idle=idle, grad_sync_s=sync, data_stall_s=stall,
+        step_overhead_s=float(step_overhead_s),
         mb_start=np.asarray(rep.mb_start) + stall, mb_end=np.asarray(rep.mb_end) + stall,
         mb_compute=t["compute"], mb_comm=t["comm"], mb_offload=t["offload"], schedule=s,
         info={"planner_predicted_step_s": s.planner_step, "replay_step_s": float(rep.step_time),

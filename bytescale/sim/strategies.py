@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["STRATEGIES", "Schedule", "build_schedule", "split_at_context"]
+__all__ = ["STRATEGIES", "Schedule", "build_schedule", "schedule_from_plan", "static_schedule", "split_at_context"]
 
 # name -> (planner strategy or "static", offload, loader model)
 STRATEGIES: Dict[str, Tuple[str, bool, str]] = {
@@ -104,7 +104,8 @@ def split_at_context(lengths: np.ndarray, context: int) -> np.ndarray:
     return out
 
 
-def _from_plan(name: str, plan: Any, lengths: np.ndarray, loader: str) -> Schedule:
+def schedule_from_plan(name: str, plan: Any, lengths: np.ndarray, loader: str) -> Schedule:
+    """The schedule of a :class:`bytescale.planner.Plan` of ``lengths`` (any strategy/options)."""
     p = plan.raw
     M = int(p.num_micro_batches)
     mb_seg = np.asarray(p.mb_seg, dtype=np.int64)
@@ -127,10 +128,11 @@ def _from_plan(name: str, plan: Any, lengths: np.ndarray, loader: str) -> Schedu
               "planner_bound": float(plan.lower_bound)})
 
 
-def _static(lengths: np.ndarray, world: int, capacity: int) -> Schedule:
+def static_schedule(lengths: np.ndarray, world: int, capacity: int, cp: Optional[int] = None) -> Schedule:
+    """The static DP x CP baseline's schedule (``cp``: its CP degree, default sized for the longest)."""
     from ..data.baselines import static_cp_plan
 
-    sp = static_cp_plan(lengths.tolist(), world, capacity)
+    sp = static_cp_plan(lengths.tolist(), world, capacity, cp)
     cp, R = sp.cp, world // sp.cp
     # every replica's bins, in order; bin b of replica r is one micro-batch on each of its cp ranks
     bins: List[List[int]] = [b for rep in sp.per_replica for b in rep]
@@ -176,7 +178,7 @@ def build_schedule(name: str, lengths: np.ndarray, world: int, capacity: int, co
     kind, offload, loader = STRATEGIES[name]
     lengths = np.asarray(lengths, dtype=np.int64)
     if kind == "static":
-        return _static(lengths, world, capacity)
+        return static_schedule(lengths, world, capacity)
     from ..planner import plan as make_plan
 
     key = (kind, offload)
@@ -186,4 +188,4 @@ def build_schedule(name: str, lengths: np.ndarray, world: int, capacity: int, co
         p = make_plan(lengths, world, capacity, strategy=kind, offload=offload, cost=cost)
         if plans is not None:
             plans[key] = p
-    return _from_plan(name, p, lengths, loader)
+    return schedule_from_plan(name, p, lengths, loader)

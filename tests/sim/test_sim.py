@@ -115,7 +115,7 @@ def test_breakdown_sums_to_step_time_per_rank(corpus_seed, world, gpn):
     lengths = _batch(corpus_seed, n=300, hi=min(60000, 8192 * world))
     names = [n for n in STRATEGIES if not (n == "static" and world & (world - 1))]
     for r in simulate_batch(lengths, SHAPE, world, gpn, names, capacity=8192):
-        total = r.compute + r.exposed_comm + r.offload + r.idle + r.grad_sync_s + r.data_stall_s
+        total = r.compute + r.exposed_comm + r.offload + r.idle + r.grad_sync_s + r.data_stall_s + r.step_overhead_s
         np.testing.assert_allclose(total, r.step_time_s, rtol=1e-9, err_msg=r.strategy)
         assert (r.idle >= -1e-9).all() and (r.compute > 0).any()
         assert sum(r.breakdown().values()) == pytest.approx(r.step_time_s, rel=1e-9)
