@@ -1,0 +1,272 @@
+"""Validates bytescale.sim against measured runs of the main training command on CPU (issue 14).
+
+    PYTHONPATH=. python benchmarks/validate_sim.py [--ranks 2 3 4] [--steps 8] [--out runs/validate]
+
+1. Measures a CPU cost profile with ``bytescale.profile`` of the model the main command trains
+   (scripts/run_demo.sh: ``tiny`` Llama, byte tokens), the WHOLE model (embedding, 2 blocks, head,
+   token-level loss) as one "layer" (``layers=1``), single documents of 32-1024 tokens; the Gloo
+   point-to-point latency and bandwidth (2 processes, the bytescale backend, ping-pong); and the
+   optimizer step + gradient clipping time of the model (one process).
+2. Runs ``python -m bytescale.train`` (torchrun, the bytescale backend over Gloo) for ``--steps``
+   steps at each rank count, HDP (``balanced``, planned with the measured profile) and the static
+   DP x CP baseline (CP sized for the longest document; CP=3 at 3 ranks, the power of two does not
+   divide 3), with the run_demo.sh options (capacity 256, 4096-token batches, length scale 1/512).
+3. Simulates each logged step: the same lengths (samples log -> the dataset's pieces), the same plan
+   (``bytescale.plan`` with the same cost profile, or ``static_cp_plan``), priced by the "cpu-gloo"
+   cluster made of the measured numbers. CPU sharing: N processes on C cores run compute
+   max(1, N/C) times slower (a stated model, not fitted). Steps 0-1 (warm-up) are left out.
+Prints a table (measured vs predicted mean step time, error) and writes OUT/validate.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from typing import Any, Dict, List
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+COMMON = ["--data", "data/python-packages", "--length-scale", "0.001953125", "--model", "tiny",
+          "--capacity", "256", "--tokens-per-batch", "4096", "--lr", "1e-2", "--warmup-steps", "3"]
+CAPACITY = 256
+
+
+def _p2p_worker(rank: int, port: int, q: Any) -> None:
+    import torch.distributed as dist
+
+    import bytescale  # noqa: F401  (registers the backend)
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("bytescale", rank=rank, world_size=2)
+    res = {}
+    for nbytes in (8, 1 << 20):
+        t = torch.zeros(nbytes // 4)
+        reps = 200 if nbytes == 8 else 30
+        for it in range(reps + 5):
+            if it == 5:
+                dist.barrier()
+                t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(t, 1)
+                dist.recv(t, 1)
+            else:
+                dist.recv(t, 0)
+                dist.send(t, 0)
+        res[nbytes] = (time.perf_counter() - t0) / reps / 2  # one way
+    if rank == 0:
+        q.put(res)
+    dist.destroy_process_group()
+
+
+def measure_p2p() -> Dict[str, float]:
+    """One-way latency (8 B) and bandwidth (1 MiB) of a send/recv between two processes."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_p2p_worker, args=(r, port, q)) for r in range(2)]
+    for p in ps:
+        p.start()
+    res = q.get(timeout=180)
+    for p in ps:
+        p.join(60)
+    lat = res[8]
+    bw = (1 << 20) / max(res[1 << 20] - lat, 1e-9)
+    return {"latency_s": lat, "bandwidth_Bps": bw}
+
+
+def _cfg(extra: List[str]):
+    from bytescale.train.config import parse_args
+
+    return parse_args(COMMON + extra)
+
+
+def measure_profile(out: str) -> Dict[str, Any]:
+    """bytescale.profile of the whole tiny model (one 'layer'), plus its optimizer step time."""
+    import bytescale
+    from bytescale.attention import Layout
+    from bytescale.runtime import token_level_loss
+    from bytescale.train.build import build_dataset, build_model, build_optimizer
+
+    torch.manual_seed(0)
+    cfg = _cfg([])
+    _, vocab, _ = build_dataset(cfg, 1024)
+    model, info = build_model(cfg, vocab, torch.device("cpu"))
+
+    class Whole(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+
+        def forward(self, ids, pos, labels, s):
+            logits = self.m(ids, pos, layout=Layout.local([s]))
+            return token_level_loss(logits, labels, s)
+
+    def make_input(s: int):
+        ids = torch.randint(0, vocab, (s,))
+        return ids, torch.arange(s), torch.randint(0, vocab, (s,)), s
+
+    prof = bytescale.profile(lambda: Whole(), make_input, seq_lens=[32, 64, 128, 256, 384, 512, 768, 1024],
+                             layers=1, reps=7, device=torch.device("cpu"), copy_bytes=64 << 20)
+    # optimizer + clipping, as the trainer does them after the micro-batches
+    opt, _ = build_optimizer(model, cfg)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    ts = []
+    for _ in range(25):
+        t0 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        ts.append(time.perf_counter() - t0)
+    prof["optimizer_s"] = float(np.median(ts[5:]))
+    prof["params"] = int(info.params)
+    prof["kv_bytes_per_layer_token"] = float(2 * model.cfg.n_kv_heads * (model.cfg.dim // model.cfg.n_heads) * 4)
+    prof["model_layers"] = int(model.cfg.n_layers)
+    return prof
+
+
+def run_training(nproc: int, strategy: str, steps: int, outdir: str, profile_path: str) -> Dict[str, str]:
+    name = f"{strategy}{nproc}"
+    metrics, samples = os.path.join(outdir, f"{name}.jsonl"), os.path.join(outdir, f"{name}.samples.jsonl")
+    for f in (metrics, samples):
+        if os.path.exists(f):
+            os.remove(f)
+    extra = ["--steps", str(steps), "--metrics", metrics, "--samples-log", samples, "--progress=false",
+             "--plot", os.path.join(outdir, f"{name}.png")]
+    if strategy == "static":
+        extra += ["--strategy", "static"] + (["--static-cp", "3"] if nproc == 3 else [])
+    else:
+        extra += ["--cost-profile", profile_path]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "-m", "bytescale.train"] + COMMON + extra
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        raise RuntimeError(f"training {name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return {"metrics": metrics, "samples": samples, "wall_s": f"{time.perf_counter() - t0:.1f}",
+            "extra": " ".join(extra)}
+
+
+def simulate_run(nproc: int, strategy: str, files: Dict[str, str], prof: Dict[str, Any], p2p: Dict[str, float],
+                 skip: int) -> Dict[str, Any]:
+    from bytescale.data.baselines import static_cp_degree
+    from bytescale.planner import CostModel, load_cost_model, plan
+    from bytescale.sim import ClusterSpec, model_shape, simulate
+    from bytescale.sim.strategies import schedule_from_plan, static_schedule
+    from bytescale.train.build import build_dataset
+    from bytescale.train.metrics import read_jsonl
+
+    cfg = _cfg([])
+    ds, _, _ = build_dataset(cfg, CAPACITY * nproc)  # the trainer's default max_length: capacity x world
+    all_lengths = np.asarray(ds.lengths, dtype=np.int64)
+    measured = {r["step"]: r["step_time_s"] for r in read_jsonl(files["metrics"])}
+    batches = {r["step"]: r["samples"] for r in read_jsonl(files["samples"])}
+    slow = max(1.0, nproc / (os.cpu_count() or 1))
+    flat = {k: prof[k] for k in ("a1", "b1", "g", "a2", "b2", "layers", "bw_d2h", "bw_h2d")}
+    plan_cost = load_cost_model(dict(flat, ring_bw=p2p["bandwidth_Bps"], ring_latency=p2p["latency_s"] * prof["model_layers"],
+                                     kv_bytes_per_token=prof["kv_bytes_per_layer_token"] * prof["model_layers"]))
+    price = CostModel.from_json(plan_cost.to_json())
+    price.a1, price.b1, price.g = plan_cost.a1 * slow, plan_cost.b1 * slow, plan_cost.g * slow
+    # the profile's one "layer" is the whole model: a ring step moves every layer's K/V and pays a
+    # latency per layer
+    cl = ClusterSpec("cpu-gloo", gpus=nproc, gpus_per_node=nproc, intra_bw=p2p["bandwidth_Bps"],
+                     intra_latency=p2p["latency_s"] * prof["model_layers"], inter_bw=p2p["bandwidth_Bps"],
+                     inter_latency=p2p["latency_s"] * prof["model_layers"], host_bw=prof["bw_d2h"],
+                     gpu_memory=8e9, peak_flops=0.1e12, compute_slowdown=slow, source="measured")
+    shape = model_shape("tiny")
+    rows = []
+    for step in sorted(measured):
+        if step < skip or step not in batches:
+            continue
+        lens = all_lengths[np.asarray(batches[step], dtype=np.int64)]
+        if strategy == "static":
+            cp = 3 if nproc == 3 else static_cp_degree(int(all_lengths.max()), CAPACITY, nproc)
+            sched = static_schedule(lens, nproc, CAPACITY, cp)
+        else:
+            sched = schedule_from_plan("hdp", plan(lens, nproc, CAPACITY, strategy="balanced", cost=plan_cost),
+                                       lens, "remote")
+        r = simulate(sched, cl, shape, price, int(lens.sum()), float((lens.astype(float) ** 2).sum()),
+                     grad_bytes=4.0 * prof["params"], step_overhead_s=prof["optimizer_s"] * slow)
+        rows.append((step, measured[step], r.step_time_s, r.breakdown()))
+    m = np.array([x[1] for x in rows])
+    pr = np.array([x[2] for x in rows])
+    bd = {k: float(np.mean([x[3][k] for x in rows])) for k in rows[0][3]} if rows else {}
+    return {"ranks": nproc, "strategy": strategy, "steps": len(rows), "measured_s": float(m.mean()),
+            "predicted_s": float(pr.mean()), "error": float(pr.mean() / m.mean() - 1),
+            "per_step_abs_error": float(np.mean(np.abs(pr / m - 1))), "compute_slowdown": slow,
+            "predicted_breakdown_s": bd, "per_step": [(int(a), float(b), float(c)) for a, b, c, _ in rows]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--skip", type=int, default=2, help="warm-up steps left out")
+    ap.add_argument("--out", default=os.path.join(ROOT, "runs", "validate"))
+    ap.add_argument("--reuse", action="store_true", help="reuse OUT/inputs.json (profile, p2p) of an earlier run")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.perf_counter()
+    if not os.path.isfile(os.path.join(ROOT, "data", "python-packages", "data.idx")):
+        subprocess.run([sys.executable, "-m", "bytescale.data.prepare", "--python-packages", "--max-doc-bytes",
+                        "524288", "--workers", "2", "--output", "data/python-packages"], cwd=ROOT, check=True)
+    torch.set_num_threads(1)
+    inputs = os.path.join(args.out, "inputs.json")
+    if args.reuse and os.path.isfile(inputs):
+        with open(inputs) as f:
+            saved = json.load(f)
+        prof, p2p = saved["profile"], saved["p2p"]
+    else:
+        prof = measure_profile(os.path.join(args.out, "cpu_profile.json"))
+        p2p = measure_p2p()
+        with open(inputs, "w") as f:
+            json.dump({"profile": prof, "p2p": p2p}, f, indent=1)
+    flat = {k: prof[k] for k in ("a1", "b1", "g", "a2", "b2", "layers", "bw_d2h", "bw_h2d")}
+    flat.update(ring_bw=p2p["bandwidth_Bps"], ring_latency=p2p["latency_s"] * prof["model_layers"],
+                kv_bytes_per_token=prof["kv_bytes_per_layer_token"] * prof["model_layers"])
+    profile_path = os.path.join(args.out, "cpu_profile.json")
+    with open(profile_path, "w") as f:
+        json.dump(flat, f, indent=1)
+    print(f"profile (whole tiny model, 1 process): a1={prof['a1']:.3e} b1={prof['b1']:.3e} g={prof['g']:.3e} "
+          f"optimizer={prof['optimizer_s'] * 1e3:.2f} ms; samples {prof['samples']['seconds']}")
+    print(f"gloo p2p: latency {p2p['latency_s'] * 1e6:.0f} us, bandwidth {p2p['bandwidth_Bps'] / 1e9:.2f} GB/s")
+    results = []
+    for n in args.ranks:
+        for strategy in ("hdp", "static"):
+            files = run_training(n, strategy, args.steps, args.out, profile_path)
+            res = simulate_run(n, strategy, files, prof, p2p, args.skip)
+            res["train_wall_s"] = float(files["wall_s"])
+            results.append(res)
+            print(f"  {strategy} x{n}: measured {res['measured_s'] * 1e3:.1f} ms, predicted "
+                  f"{res['predicted_s'] * 1e3:.1f} ms ({res['error']:+.1%})", flush=True)
+    load = os.getloadavg()
+    print(f"\nmachine: {os.cpu_count()} cores, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; "
+          f"total {time.perf_counter() - t0:.0f} s\n")
+    print("| ranks | strategy | steps | measured step (ms) | predicted (ms) | error (mean) | mean per-step abs error |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['ranks']} | {'HDP (balanced)' if r['strategy'] == 'hdp' else 'static DP x CP'} | {r['steps']} | "
+              f"{r['measured_s'] * 1e3:.1f} | {r['predicted_s'] * 1e3:.1f} | {r['error']:+.1%} | "
+              f"{r['per_step_abs_error']:.1%} |")
+    with open(os.path.join(args.out, "validate.json"), "w") as f:
+        json.dump({"profile": {k: v for k, v in prof.items()}, "p2p": p2p, "results": results,
+                   "loadavg": load}, f, indent=1, default=str)
+    print(f"wrote {os.path.join(args.out, 'validate.json')}")
+
+
+if __name__ == "__main__":
+    main()
