@@ -82,7 +82,22 @@ def main() -> None:
         best[gpus] = r["hdp-full"]["speedup"]
         print(f"| {gpus} | {r['hdp-full']['speedup']:.2f}x [{r['hdp-full']['speedup_min']:.2f}-"
               f"{r['hdp-full']['speedup_max']:.2f}] | {r['static']['step_s']:.1f} | {r['hdp-full']['step_s']:.1f} |")
-    print(f"\nup to {max(best.values()):.2f}x (paper 7.89x); total {time.perf_counter() - t0:.1f} s")
+    print(f"\nup to {max(best.values()):.2f}x (paper 7.89x)")
+
+    print("\n## 4. Sensitivity of the ablation (byted, 2M, 1,024 GPUs) to the ring-communication term\n")
+    from dataclasses import replace as _replace
+
+    from bytescale.sim import model_shape
+
+    gqa = _replace(model_shape("llama-7b"), name="llama-7b-gqa8", kv_heads=8)
+    variants = [("llama-7b (MHA: 16 KB K/V per token per layer)", "llama-7b"),
+                ("llama-7b with GQA-8 K/V (4 KB; hypothetical)", gqa)]
+    print("| model | " + " | ".join(STRATEGIES) + " |")
+    print("|---|" + "---|" * len(STRATEGIES))
+    for label, m in variants:
+        r = run("byted", 2 * K * K, 1024, args.seeds, model=m)
+        print(f"| {label} | " + " | ".join(f"{r[n]['speedup']:.2f}x" for n in STRATEGIES) + " |")
+    print(f"\ntotal {time.perf_counter() - t0:.1f} s")
 
     if args.png:
         import matplotlib
