@@ -130,3 +130,31 @@ def test_schedule_holds_every_token_once():
         assert s.mb_tokens.sum() == pytest.approx(lengths.sum()), name
         # attention shares: sum over ranks of s^2/d for each sequence = sum of s^2
         assert s.mb_attn.sum() == pytest.approx((lengths.astype(float) ** 2).sum(), rel=1e-9), name
+
+
+def test_models_profiles_and_capacity(tmp_path):
+    import json
+
+    from bytescale.sim import default_capacity
+
+    cl = cluster("h100-nvlink-ib400", 1024, 8)
+    assert default_capacity(SHAPE, cl, cost_model(SHAPE, cl)) == 8192  # RESULTS.md's stated capacity
+    assert 6.5e9 < SHAPE.params < 6.9e9 and 6.8e10 < model_shape("llama-70b").params < 7.0e10  # Llama 2 70B: 68.98B
+    moe = model_shape("mistral-8x7b")
+    assert 4.5e10 < moe.params < 4.8e10 and moe.active_layer_params < moe.attn_params + moe.mlp_params
+    cfg = {"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4, "num_hidden_layers": 6,
+           "intermediate_size": 2816, "vocab_size": 5000}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    hf = model_shape(str(tmp_path / "config.json"))
+    assert (hf.layers, hf.kv_heads, hf.head_dim) == (6, 4, 64)
+    (tmp_path / "bad.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ValueError, match="missing key 'num_attention_heads'"):
+        model_shape(str(tmp_path / "bad.json"))
+    prof = {"a1": 1e-10, "b1": 2e-6, "g": 3e-4, "a2": 1e5, "b2": 0, "layers": 7, "bw_d2h": 1e10, "bw_h2d": 1e10}
+    (tmp_path / "p.json").write_text(json.dumps(prof))
+    cm = cost_model(hf, cl, profile=str(tmp_path / "p.json"))
+    assert (cm.a1, cm.b1, cm.g, cm.layers) == (1e-10, 2e-6, 3e-4, 7) and cm.ring_bw == cl.inter_bw
+    with pytest.raises(ValueError, match="no such file"):
+        cost_model(hf, cl, profile=str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="efficiency"):
+        cost_model(hf, cl, efficiency=1.5)
