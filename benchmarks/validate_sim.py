@@ -211,6 +211,24 @@ def simulate_run(nproc: int, strategy: str, files: Dict[str, str], prof: Dict[st
             "predicted_breakdown_s": bd, "per_step": [(int(a), float(b), float(c)) for a, b, c, _ in rows]}
 
 
+def print_table(results: List[Dict[str, Any]]) -> None:
+    """The markdown table: per case measured vs predicted mean step, and, per rank count, the
+    static / HDP ratio measured vs predicted (a uniform slowdown of the machine cancels in it)."""
+    by = {(r["ranks"], r["strategy"]): r for r in results}
+    print("| ranks | strategy | steps | measured step (ms) | predicted (ms) | error | mean per-step abs error | "
+          "static / HDP measured | predicted | error |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        ratio = ["", "", ""]
+        h, st = by.get((r["ranks"], "hdp")), by.get((r["ranks"], "static"))
+        if r["strategy"] == "static" and h and st:
+            m, p = st["measured_s"] / h["measured_s"], st["predicted_s"] / h["predicted_s"]
+            ratio = [f"{m:.2f}", f"{p:.2f}", f"{p / m - 1:+.1%}"]
+        print(f"| {r['ranks']} | {'HDP (balanced)' if r['strategy'] == 'hdp' else 'static DP x CP'} | {r['steps']} | "
+              f"{r['measured_s'] * 1e3:.1f} | {r['predicted_s'] * 1e3:.1f} | {r['error']:+.1%} | "
+              f"{r['per_step_abs_error']:.1%} | " + " | ".join(ratio) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4])
@@ -218,7 +236,12 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=2, help="warm-up steps left out")
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "validate"))
     ap.add_argument("--reuse", action="store_true", help="reuse OUT/inputs.json (profile, p2p) of an earlier run")
+    ap.add_argument("--report", action="store_true", help="only print the table of OUT/validate.json")
     args = ap.parse_args()
+    if args.report:
+        with open(os.path.join(args.out, "validate.json")) as f:
+            print_table(json.load(f)["results"])
+        return
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
     if not os.path.isfile(os.path.join(ROOT, "data", "python-packages", "data.idx")):
@@ -256,12 +279,7 @@ def main() -> None:
     load = os.getloadavg()
     print(f"\nmachine: {os.cpu_count()} cores, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; "
           f"total {time.perf_counter() - t0:.0f} s\n")
-    print("| ranks | strategy | steps | measured step (ms) | predicted (ms) | error (mean) | mean per-step abs error |")
-    print("|---|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['ranks']} | {'HDP (balanced)' if r['strategy'] == 'hdp' else 'static DP x CP'} | {r['steps']} | "
-              f"{r['measured_s'] * 1e3:.1f} | {r['predicted_s'] * 1e3:.1f} | {r['error']:+.1%} | "
-              f"{r['per_step_abs_error']:.1%} |")
+    print_table(results)
     with open(os.path.join(args.out, "validate.json"), "w") as f:
         json.dump({"profile": {k: v for k, v in prof.items()}, "p2p": p2p, "results": results,
                    "loadavg": load}, f, indent=1, default=str)
