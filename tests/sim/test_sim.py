@@ -158,3 +158,19 @@ def test_models_profiles_and_capacity(tmp_path):
         cost_model(hf, cl, profile=str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="efficiency"):
         cost_model(hf, cl, efficiency=1.5)
+
+
+@pytest.mark.parametrize("world,gpn,corpus", [(64, 8, "byted"), (37, 4, "byted"), (128, 8, "github")])
+def test_doubling_bandwidth_never_slows_a_step_replanned(world, gpn, corpus):
+    """The whole pipeline: the planner re-plans for the faster network (its cost model follows the
+    cluster), the simulator prices the new plans."""
+    from bytescale.data.synthetic import global_batch_lengths
+    from bytescale.sim import split_at_context
+
+    lengths = split_at_context(global_batch_lengths(corpus, 1 << 22, seed=world), 2048 * world)
+    cl = cluster("h100-nvlink-ib400", world, gpn)
+    names = [n for n in STRATEGIES if not (n == "static" and world & (world - 1))]
+    slow = simulate_batch(lengths, SHAPE, world, gpn, names, cl, capacity=4096)
+    fast = simulate_batch(lengths, SHAPE, world, gpn, names, cl.scaled_bandwidth(2.0), capacity=4096)
+    for a, b in zip(slow, fast):
+        assert b.step_time_s <= a.step_time_s * (1 + 1e-12), a.strategy
