@@ -91,7 +91,7 @@ class SimResult:
                              "offload_s": _stats(self.offload), "idle_s": _stats(self.idle)},
                 "micro_batches": self.schedule.num_micro_batches,
                 "micro_batches_per_rank_max": int(np.diff(self.schedule.rank_mb).max()) if self.world else 0,
-                **{k: v for k, v in self.info.items()}}
+                **{k: (None if isinstance(v, float) and v != v else v) for k, v in self.info.items()}}
 
 
 def _stats(x: np.ndarray) -> Dict[str, float]:
