@@ -13,8 +13,10 @@
    divide 3), with the run_demo.sh options (capacity 256, 4096-token batches, length scale 1/512).
 3. Simulates each logged step: the same lengths (samples log -> the dataset's pieces), the same plan
    (``bytescale.plan`` with the same cost profile, or ``static_cp_plan``), priced by the "cpu-gloo"
-   cluster made of the measured numbers. CPU sharing: N processes on C cores run compute
-   max(1, N/C) times slower (a stated model, not fitted). Steps 0-1 (warm-up) are left out.
+   cluster made of the measured numbers. CPU sharing: the profile used for the N-rank runs is
+   measured by N processes at once, right before them (they share the cores as the ranks do);
+   ``--single-profile`` instead uses one single-process profile and models N processes on C cores
+   as max(1, N/C) times slower compute. Steps 0-1 (warm-up) are left out.
 Prints a table (measured vs predicted mean step time, error) and writes OUT/validate.json.
 """
 from __future__ import annotations
@@ -138,6 +140,41 @@ def measure_profile(out: str) -> Dict[str, Any]:
     return prof
 
 
+def _profile_worker(q: Any) -> None:
+    torch.set_num_threads(1)
+    q.put(measure_profile(""))
+
+
+def measure_profile_concurrent(n: int) -> Dict[str, Any]:
+    """The profile measured by ``n`` processes at once (as ``n`` training ranks share the cores):
+    the median of their coefficients."""
+    if n <= 1:
+        return measure_profile("")
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_profile_worker, args=(q,)) for _ in range(n)]
+    for p in ps:
+        p.start()
+    profs = [q.get(timeout=600) for _ in range(n)]
+    for p in ps:
+        p.join(60)
+    out = dict(profs[0])
+    for k in ("a1", "b1", "g", "a2", "b2", "bw_d2h", "bw_h2d", "optimizer_s"):
+        out[k] = float(np.median([p[k] for p in profs]))
+    out["concurrent_processes"] = n
+    return out
+
+
+def _write_profile(prof: Dict[str, Any], p2p: Dict[str, float], path: str) -> None:
+    flat = {k: prof[k] for k in ("a1", "b1", "g", "a2", "b2", "layers", "bw_d2h", "bw_h2d")}
+    flat.update(ring_bw=p2p["bandwidth_Bps"], ring_latency=p2p["latency_s"] * prof["model_layers"],
+                kv_bytes_per_token=prof["kv_bytes_per_layer_token"] * prof["model_layers"])
+    with open(path, "w") as f:
+        json.dump(flat, f, indent=1)
+
+
 def run_training(nproc: int, strategy: str, steps: int, outdir: str, profile_path: str) -> Dict[str, str]:
     name = f"{strategy}{nproc}"
     metrics, samples = os.path.join(outdir, f"{name}.jsonl"), os.path.join(outdir, f"{name}.samples.jsonl")
@@ -162,7 +199,7 @@ def run_training(nproc: int, strategy: str, steps: int, outdir: str, profile_pat
 
 
 def simulate_run(nproc: int, strategy: str, files: Dict[str, str], prof: Dict[str, Any], p2p: Dict[str, float],
-                 skip: int) -> Dict[str, Any]:
+                 skip: int, slow: float) -> Dict[str, Any]:
     from bytescale.data.baselines import static_cp_degree
     from bytescale.planner import CostModel, load_cost_model, plan
     from bytescale.sim import ClusterSpec, model_shape, simulate
@@ -175,7 +212,6 @@ def simulate_run(nproc: int, strategy: str, files: Dict[str, str], prof: Dict[st
     all_lengths = np.asarray(ds.lengths, dtype=np.int64)
     measured = {r["step"]: r["step_time_s"] for r in read_jsonl(files["metrics"])}
     batches = {r["step"]: r["samples"] for r in read_jsonl(files["samples"])}
-    slow = max(1.0, nproc / (os.cpu_count() or 1))
     flat = {k: prof[k] for k in ("a1", "b1", "g", "a2", "b2", "layers", "bw_d2h", "bw_h2d")}
     plan_cost = load_cost_model(dict(flat, ring_bw=p2p["bandwidth_Bps"], ring_latency=p2p["latency_s"] * prof["model_layers"],
                                      kv_bytes_per_token=prof["kv_bytes_per_layer_token"] * prof["model_layers"]))
@@ -236,6 +272,9 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=2, help="warm-up steps left out")
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "validate"))
     ap.add_argument("--reuse", action="store_true", help="reuse OUT/inputs.json (profile, p2p) of an earlier run")
+    ap.add_argument("--single-profile", action="store_true",
+                    help="one profile in one process, CPU sharing modelled as max(1, N/cores) (default: the "
+                         "profile measured by N processes at once right before the N-rank runs)")
     ap.add_argument("--report", action="store_true", help="only print the table of OUT/validate.json")
     args = ap.parse_args()
     if args.report:
@@ -258,20 +297,24 @@ def main() -> None:
         p2p = measure_p2p()
         with open(inputs, "w") as f:
             json.dump({"profile": prof, "p2p": p2p}, f, indent=1)
-    flat = {k: prof[k] for k in ("a1", "b1", "g", "a2", "b2", "layers", "bw_d2h", "bw_h2d")}
-    flat.update(ring_bw=p2p["bandwidth_Bps"], ring_latency=p2p["latency_s"] * prof["model_layers"],
-                kv_bytes_per_token=prof["kv_bytes_per_layer_token"] * prof["model_layers"])
-    profile_path = os.path.join(args.out, "cpu_profile.json")
-    with open(profile_path, "w") as f:
-        json.dump(flat, f, indent=1)
     print(f"profile (whole tiny model, 1 process): a1={prof['a1']:.3e} b1={prof['b1']:.3e} g={prof['g']:.3e} "
           f"optimizer={prof['optimizer_s'] * 1e3:.2f} ms; samples {prof['samples']['seconds']}")
     print(f"gloo p2p: latency {p2p['latency_s'] * 1e6:.0f} us, bandwidth {p2p['bandwidth_Bps'] / 1e9:.2f} GB/s")
     results = []
+    profiles = {}
     for n in args.ranks:
+        if args.single_profile or n == 1:
+            prof_n, slow = prof, max(1.0, n / (os.cpu_count() or 1))
+        else:
+            prof_n, slow = measure_profile_concurrent(n), 1.0
+            print(f"profile measured by {n} processes at once: a1={prof_n['a1']:.3e} b1={prof_n['b1']:.3e} "
+                  f"g={prof_n['g']:.3e} optimizer={prof_n['optimizer_s'] * 1e3:.2f} ms", flush=True)
+        profiles[n] = prof_n
+        profile_path = os.path.join(args.out, f"cpu_profile_{n}.json")
+        _write_profile(prof_n, p2p, profile_path)
         for strategy in ("hdp", "static"):
             files = run_training(n, strategy, args.steps, args.out, profile_path)
-            res = simulate_run(n, strategy, files, prof, p2p, args.skip)
+            res = simulate_run(n, strategy, files, prof_n, p2p, args.skip, slow)
             res["train_wall_s"] = float(files["wall_s"])
             results.append(res)
             print(f"  {strategy} x{n}: measured {res['measured_s'] * 1e3:.1f} ms, predicted "
@@ -281,7 +324,7 @@ def main() -> None:
           f"total {time.perf_counter() - t0:.0f} s\n")
     print_table(results)
     with open(os.path.join(args.out, "validate.json"), "w") as f:
-        json.dump({"profile": {k: v for k, v in prof.items()}, "p2p": p2p, "results": results,
+        json.dump({"profile": prof, "profiles_by_ranks": profiles, "p2p": p2p, "results": results,
                    "loadavg": load}, f, indent=1, default=str)
     print(f"wrote {os.path.join(args.out, 'validate.json')}")
 

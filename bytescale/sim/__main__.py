@@ -137,10 +137,10 @@ def _run(args: argparse.Namespace) -> int:
             json.dump(doc, f, indent=1)
         print(f"wrote {args.json}")
     if args.png:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ValueError("--png needs matplotlib (pip install matplotlib)") from None
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--png needs matplotlib (pip install matplotlib)")
         timeline_png(results, args.png, args.max_ranks_drawn, title=head.split(";")[0])
         print(f"wrote {args.png}")
     return 0

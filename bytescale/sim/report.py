@@ -56,7 +56,7 @@ def timeline_png(results: Sequence[SimResult], path: str, max_ranks: int = 48, t
             lo, hi = int(s.rank_mb[rank]), int(s.rank_mb[rank + 1])
             bars: Dict[str, List[tuple]] = {"local": [], "ring": [], "comm": [], "off": []}
             for m in range(lo, hi):
-                st, en = float(r.mb_start[m]), float(r.mb_end[m])
+                st = float(r.mb_start[m])
                 c, x, o = float(r.mb_compute[m]), float(r.mb_comm[m]), float(r.mb_offload[m])
                 bars["ring" if s.mb_ring[m] >= 0 else "local"].append((st, c))
                 if x > 0:
