@@ -27,13 +27,14 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 COMMON = ["--data", "data/python-packages", "--length-scale", "0.001953125", "--model", "tiny",
           "--capacity", "256", "--tokens-per-batch", "4096", "--lr", "1e-2", "--warmup-steps", "3"]
@@ -199,7 +200,13 @@ def run_training(nproc: int, strategy: str, steps: int, outdir: str, profile_pat
 
 
 def simulate_run(nproc: int, strategy: str, files: Dict[str, str], prof: Dict[str, Any], p2p: Dict[str, float],
-                 skip: int, slow: float) -> Dict[str, Any]:
+                 skip: int, slow: float, tp: Optional[Dict[str, Any]] = None,
+                 plan_profile: Optional[str] = None) -> Dict[str, Any]:
+    """Simulates every logged step of one run. ``tp`` (:func:`measure_trainer_profile`): price
+    with the trainer-path profile (a1, b1, g of real micro-batches, the ring kernel's terms, the
+    ring-step wait measured with ``nproc`` processes), compute slowed by ``slow``; without it the
+    ``bytescale.profile`` numbers. ``plan_profile``: the cost-profile JSON the run was planned
+    with (default: ``prof``'s)."""
     from bytescale.data.baselines import static_cp_degree
     from bytescale.planner import CostModel, load_cost_model, plan
     from bytescale.sim import ClusterSpec, model_shape, simulate
@@ -213,16 +220,27 @@ def simulate_run(nproc: int, strategy: str, files: Dict[str, str], prof: Dict[st
     measured = {r["step"]: r["step_time_s"] for r in read_jsonl(files["metrics"])}
     batches = {r["step"]: r["samples"] for r in read_jsonl(files["samples"])}
     flat = {k: prof[k] for k in ("a1", "b1", "g", "a2", "b2", "layers", "bw_d2h", "bw_h2d")}
-    plan_cost = load_cost_model(dict(flat, ring_bw=p2p["bandwidth_Bps"], ring_latency=p2p["latency_s"] * prof["model_layers"],
+    flat_cost = load_cost_model(dict(flat, ring_bw=p2p["bandwidth_Bps"], ring_latency=p2p["latency_s"] * prof["model_layers"],
                                      kv_bytes_per_token=prof["kv_bytes_per_layer_token"] * prof["model_layers"]))
-    price = CostModel.from_json(plan_cost.to_json())
-    price.a1, price.b1, price.g = plan_cost.a1 * slow, plan_cost.b1 * slow, plan_cost.g * slow
+    if plan_profile and os.path.isfile(plan_profile):
+        with open(plan_profile) as f:
+            plan_cost = load_cost_model(json.load(f))
+    else:
+        plan_cost = flat_cost
+    price = CostModel.from_json(flat_cost.to_json())
+    lat, ring_extra, ring_step = p2p["latency_s"], 0.0, 0.0
+    if tp is not None:
+        price.a1, price.b1, price.g = tp["local"]["a1"], tp["local"]["b1"], tp["local"]["g"]
+        ring_extra, ring_step = tp["ring"]["ring_a1_extra"] * slow, tp["ring"]["ring_step_s"] * slow
+        lat = max(lat, tp["exchange"][str(nproc)]["wait_s"])
+    price.a1, price.b1, price.g = price.a1 * slow, price.b1 * slow, price.g * slow
     # the profile's one "layer" is the whole model: a ring step moves every layer's K/V and pays a
-    # latency per layer
+    # latency (or, measured with nproc processes, a wait for the peers) per layer
     cl = ClusterSpec("cpu-gloo", gpus=nproc, gpus_per_node=nproc, intra_bw=p2p["bandwidth_Bps"],
-                     intra_latency=p2p["latency_s"] * prof["model_layers"], inter_bw=p2p["bandwidth_Bps"],
-                     inter_latency=p2p["latency_s"] * prof["model_layers"], host_bw=prof["bw_d2h"],
-                     gpu_memory=8e9, peak_flops=0.1e12, compute_slowdown=slow, source="measured")
+                     intra_latency=lat * prof["model_layers"], inter_bw=p2p["bandwidth_Bps"],
+                     inter_latency=lat * prof["model_layers"], host_bw=prof["bw_d2h"],
+                     gpu_memory=8e9, peak_flops=0.1e12, compute_slowdown=slow, ring_a1_extra=ring_extra,
+                     ring_step_s=ring_step, source="measured")
     shape = model_shape("tiny")
     rows = []
     for step in sorted(measured):
@@ -265,16 +283,38 @@ def print_table(results: List[Dict[str, Any]]) -> None:
               f"{r['per_step_abs_error']:.1%} | " + " | ".join(ratio) + " |")
 
 
+def measure_trainer_profile(ranks: List[int], kv_bytes_per_step: float) -> Dict[str, Any]:
+    """The trainer-path profile (benchmarks/sim_trainer_profile.py): real packed micro-batches
+    through ``HybridDataParallel.micro_batch`` (a1, b1, g), the CPU ring kernel's per-rank terms
+    (virtual ring vs varlen), and the ring-step wait with n processes for each n in ``ranks``."""
+    from sim_trainer_profile import local_profile, ring_exchange_latency, ring_profile
+
+    from bytescale.train.build import build_dataset
+
+    cfg = _cfg([])
+    ds, vocab, _ = build_dataset(cfg, CAPACITY * max(ranks))
+    lengths = np.asarray(ds.lengths, dtype=np.int64)
+    local = local_profile(cfg, vocab, lengths, CAPACITY)
+    ring = ring_profile(local["heads"], local["kv_heads"], local["head_dim"], local["attn_layers"], lengths, CAPACITY)
+    bg = local["background_runnable"] or 0.0
+    exch = {str(n): ring_exchange_latency(n, int(kv_bytes_per_step), background=bg) for n in sorted(set(ranks)) if n > 1}
+    return {"local": local, "ring": ring, "exchange": exch}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--skip", type=int, default=2, help="warm-up steps left out")
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "validate"))
-    ap.add_argument("--reuse", action="store_true", help="reuse OUT/inputs.json (profile, p2p) of an earlier run")
-    ap.add_argument("--single-profile", action="store_true",
-                    help="one profile in one process, CPU sharing modelled as max(1, N/cores) (default: the "
-                         "profile measured by N processes at once right before the N-rank runs)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse OUT/inputs.json (profiles, p2p, ring-step waits) of an earlier run")
+    ap.add_argument("--reuse-runs", action="store_true",
+                    help="do not train: simulate the runs already logged in OUT (each planned with "
+                         "OUT/cpu_profile_N.json when present); with --reuse nothing is measured")
+    ap.add_argument("--concurrent-profile", action="store_true",
+                    help="the earlier model: bytescale.profile measured by N processes at once right "
+                         "before the N-rank runs, no trainer-path profile")
     ap.add_argument("--report", action="store_true", help="only print the table of OUT/validate.json")
     args = ap.parse_args()
     if args.report:
@@ -288,44 +328,74 @@ def main() -> None:
                         "524288", "--workers", "2", "--output", "data/python-packages"], cwd=ROOT, check=True)
     torch.set_num_threads(1)
     inputs = os.path.join(args.out, "inputs.json")
+    saved: Dict[str, Any] = {}
     if args.reuse and os.path.isfile(inputs):
         with open(inputs) as f:
             saved = json.load(f)
+    if "profile" in saved:
         prof, p2p = saved["profile"], saved["p2p"]
     else:
         prof = measure_profile(os.path.join(args.out, "cpu_profile.json"))
         p2p = measure_p2p()
-        with open(inputs, "w") as f:
-            json.dump({"profile": prof, "p2p": p2p}, f, indent=1)
-    print(f"profile (whole tiny model, 1 process): a1={prof['a1']:.3e} b1={prof['b1']:.3e} g={prof['g']:.3e} "
-          f"optimizer={prof['optimizer_s'] * 1e3:.2f} ms; samples {prof['samples']['seconds']}")
+    tp = saved.get("trainer_profile")
+    if tp is None and not args.concurrent_profile:
+        kv_step = prof["kv_bytes_per_layer_token"] * CAPACITY  # one rank's K/V shard of one layer
+        tp = measure_trainer_profile(args.ranks, kv_step)
+    with open(inputs, "w") as f:
+        json.dump({"profile": prof, "p2p": p2p, "trainer_profile": tp}, f, indent=1)
+    cores = os.cpu_count() or 1
+    print(f"profile (whole tiny model, 1 process, single documents): a1={prof['a1']:.3e} b1={prof['b1']:.3e} "
+          f"g={prof['g']:.3e} optimizer={prof['optimizer_s'] * 1e3:.2f} ms")
     print(f"gloo p2p: latency {p2p['latency_s'] * 1e6:.0f} us, bandwidth {p2p['bandwidth_Bps'] / 1e9:.2f} GB/s")
+    if tp is not None:
+        lo, ri = tp["local"], tp["ring"]
+        print(f"trainer-path profile (packed micro-batches via HybridDataParallel.micro_batch): a1={lo['a1']:.3e} "
+              f"b1={lo['b1']:.3e} g={lo['g']:.3e} (fit error {lo['fit_rel_err']:.1%}); ring kernel per layer: "
+              f"+{ri['ring_a1_extra']:.3e} s per s^2/d, {ri['ring_step_s'] * 1e3:.2f} ms per block step")
+        for n, e in tp["exchange"].items():
+            print(f"  ring step with {n} processes on {cores} cores: {e['per_step_s'] * 1e3:.2f} ms per step, "
+                  f"wait {e['wait_s'] * 1e3:.2f} ms beyond compute (solo {e['compute_solo_s'] * 1e3:.2f} ms x "
+                  f"{e['oversubscription']:.2f})")
     results = []
     profiles = {}
+    from sim_trainer_profile import oversubscription
+
+    bg = (tp["local"].get("background_runnable") or 0.0) if tp else 0.0
+    print(f"oversubscription: N ranks on {cores} cores with {bg:.1f} other runnable tasks (measured while "
+          f"profiling): compute x max(1, (N + B) / C) / max(1, (1 + B) / C)")
     for n in args.ranks:
-        if args.single_profile or n == 1:
-            prof_n, slow = prof, max(1.0, n / (os.cpu_count() or 1))
-        else:
+        slow = oversubscription(n, cores, bg)
+        prof_n = prof
+        if args.concurrent_profile and n > 1:
             prof_n, slow = measure_profile_concurrent(n), 1.0
             print(f"profile measured by {n} processes at once: a1={prof_n['a1']:.3e} b1={prof_n['b1']:.3e} "
                   f"g={prof_n['g']:.3e} optimizer={prof_n['optimizer_s'] * 1e3:.2f} ms", flush=True)
         profiles[n] = prof_n
         profile_path = os.path.join(args.out, f"cpu_profile_{n}.json")
-        _write_profile(prof_n, p2p, profile_path)
+        if not args.reuse_runs:
+            plan_prof = dict(prof_n, **{k: tp["local"][k] for k in ("a1", "b1", "g")}) if tp else prof_n
+            _write_profile(plan_prof, p2p, profile_path)
         for strategy in ("hdp", "static"):
-            files = run_training(n, strategy, args.steps, args.out, profile_path)
-            res = simulate_run(n, strategy, files, prof_n, p2p, args.skip, slow)
+            name = f"{strategy}{n}"
+            if args.reuse_runs:
+                files = {"metrics": os.path.join(args.out, f"{name}.jsonl"),
+                         "samples": os.path.join(args.out, f"{name}.samples.jsonl"), "wall_s": "nan"}
+            else:
+                files = run_training(n, strategy, args.steps, args.out, profile_path)
+            res = simulate_run(n, strategy, files, prof_n, p2p, args.skip, slow, tp, profile_path)
+            res["background_runnable"] = bg
             res["train_wall_s"] = float(files["wall_s"])
             results.append(res)
             print(f"  {strategy} x{n}: measured {res['measured_s'] * 1e3:.1f} ms, predicted "
-                  f"{res['predicted_s'] * 1e3:.1f} ms ({res['error']:+.1%})", flush=True)
+                  f"{res['predicted_s'] * 1e3:.1f} ms ({res['error']:+.1%}); per step "
+                  + " ".join(f"{m * 1e3:.0f}/{p * 1e3:.0f}" for _, m, p in res["per_step"]), flush=True)
     load = os.getloadavg()
-    print(f"\nmachine: {os.cpu_count()} cores, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; "
+    print(f"\nmachine: {cores} cores, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; "
           f"total {time.perf_counter() - t0:.0f} s\n")
     print_table(results)
     with open(os.path.join(args.out, "validate.json"), "w") as f:
-        json.dump({"profile": prof, "profiles_by_ranks": profiles, "p2p": p2p, "results": results,
-                   "loadavg": load}, f, indent=1, default=str)
+        json.dump({"profile": prof, "profiles_by_ranks": profiles, "p2p": p2p, "trainer_profile": tp,
+                   "results": results, "loadavg": load}, f, indent=1, default=str)
     print(f"wrote {os.path.join(args.out, 'validate.json')}")
 
 

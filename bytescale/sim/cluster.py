@@ -39,6 +39,11 @@ class ClusterSpec:
     peak_flops: float      # dense FLOP/s of one device (bf16)
     loader_bw: float = 1e9  # bytes/s one node's data loader reads (data-stall model)
     compute_slowdown: float = 1.0  # >1 when devices share compute (CPU processes on fewer cores)
+    # ring kernel vs the profile's (local) attention, per layer: extra seconds per (s^2 / d) of a
+    # ring micro-batch's attention, and fixed seconds per block step (d per ring micro-batch);
+    # 0 unless measured (benchmarks/validate_sim.py measures the CPU ring kernel's)
+    ring_a1_extra: float = 0.0
+    ring_step_s: float = 0.0
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -54,6 +59,9 @@ class ClusterSpec:
             v = getattr(self, f)
             if not (isinstance(v, (int, float)) and 0 <= v < float("inf")):
                 raise ValueError(f"cluster {self.name!r}: {f} must be >= 0, got {v!r}")
+        if not (self.ring_a1_extra >= 0.0 and self.ring_step_s >= 0.0):
+            raise ValueError(f"cluster {self.name!r}: ring_a1_extra and ring_step_s must be >= 0, got "
+                             f"{self.ring_a1_extra!r}, {self.ring_step_s!r}")
         if not self.compute_slowdown >= 1.0:
             raise ValueError(f"cluster {self.name!r}: compute_slowdown must be >= 1, got {self.compute_slowdown!r}")
 

@@ -11,7 +11,8 @@ model, :mod:`bytescale.sim.model`):
   bandwidth, plus 3 latencies). The link is NVLink when all members sit on one node, the inter-node
   link otherwise (a ring advances at its slowest hop). Each step overlaps with that step's
   attention block (``a1 x attn / d``); what compute does not cover is exposed:
-  ``(d-1) x max(0, step_comm - a1 attn / d)``;
+  ``(d-1) x max(0, step_comm - a1 attn / d)``; a ring micro-batch's compute adds the cluster's
+  measured ring-kernel terms ``ring_a1_extra x attn + ring_step_s x d`` (0 by default);
 * offloading (ratio r, chosen by the planner with Eq. 3): ``r x Act(tokens)`` bytes go to the host
   during the forward (hidden under the forward, a third of the compute) and come back during the
   backward (hidden under the other two thirds); what does not fit is exposed.
@@ -103,9 +104,13 @@ def micro_batch_times(s: Schedule, cl: ClusterSpec, cost: Any) -> Dict[str, np.n
     L = float(cost.layers)
     attn = cost.a1 * s.mb_attn
     layer = attn + cost.b1 * s.mb_tokens + cost.g * (s.mb_tokens > 0)
+    ring = s.mb_ring >= 0
+    if ring.any() and (cl.ring_a1_extra or cl.ring_step_s):
+        # the ring kernel's own cost (cluster fields, measured): per s^2/d and per block step
+        layer = layer.copy()
+        layer[ring] += cl.ring_a1_extra * s.mb_attn[ring] + cl.ring_step_s * s.mb_ring_size[ring]
     compute = L * layer
     comm = np.zeros_like(compute)
-    ring = s.mb_ring >= 0
     if ring.any():
         crosses = s.ring_crosses_nodes(cl.gpus_per_node)[s.mb_ring[ring]]
         bw = np.where(crosses, cl.inter_bw, cl.intra_bw)

@@ -11,7 +11,7 @@ import pytest
 from bytescale.planner import CostModel
 from bytescale.sim import (STRATEGIES, Schedule, build_schedule, cluster, cost_model, model_shape,
                            simulate, simulate_batch)
-from bytescale.sim.engine import BYTES_PER_TOKEN_READ
+from bytescale.sim.engine import BYTES_PER_TOKEN_READ, micro_batch_times
 
 SHAPE = model_shape("llama-7b")
 
@@ -174,3 +174,15 @@ def test_doubling_bandwidth_never_slows_a_step_replanned(world, gpn, corpus):
     fast = simulate_batch(lengths, SHAPE, world, gpn, names, cl.scaled_bandwidth(2.0), capacity=4096)
     for a, b in zip(slow, fast):
         assert b.step_time_s <= a.step_time_s * (1 + 1e-12), a.strategy
+
+
+def test_measured_ring_kernel_terms_cost_ring_micro_batches_only():
+    s = replace(_hand_schedule(), mb_attn=np.array([0.0, 4e4, 4e4, 0.0]))
+    cl = replace(cluster("h100-nvlink-ib400", 3, 8), intra_latency=0.0)
+    base = micro_batch_times(s, cl, _unit_cost())
+    ringed = micro_batch_times(s, replace(cl, ring_a1_extra=1e-6, ring_step_s=0.01), _unit_cost())
+    ring = s.mb_ring >= 0
+    assert np.array_equal(ringed["compute"][~ring], base["compute"][~ring])  # local ones unchanged
+    np.testing.assert_allclose(ringed["compute"][ring] - base["compute"][ring], 1e-6 * 4e4 + 0.01 * 2)
+    with pytest.raises(ValueError, match="ring_step_s"):
+        replace(cl, ring_step_s=-1.0)
