@@ -73,17 +73,24 @@ class RunnableSampler:
         self._stop.set()
         self._t.join()
 
+    def runnable(self, own: int) -> Optional[float]:
+        """Median runnable tasks besides ``own`` of ours (the sampler thread counts itself: it is
+        running while it reads; pass 2 while a profile measures, 1 while a subprocess trains)."""
+        return max(0.0, float(np.median(self.samples)) - own) if self.samples else None
+
     @property
     def background(self) -> Optional[float]:
-        # the sampler itself is not runnable while it reads; the measuring process is
-        return max(0.0, float(np.median(self.samples)) - 1.0) if self.samples else None
+        """Runnable tasks besides the measuring thread and the sampler."""
+        return self.runnable(2)
 
 
-def oversubscription(n: int, cores: int, background: float = 0.0) -> float:
-    """How much slower each of ``n`` busy processes computes than the profile's single process did,
-    both sharing ``cores`` with ``background`` other runnable tasks (fair share):
-    ``max(1, (n + B) / C) / max(1, (1 + B) / C)``; on a quiet machine ``max(1, n / C)``."""
-    return max(1.0, (n + background) / cores) / max(1.0, (1.0 + background) / cores)
+def oversubscription(n: int, cores: int, background: float = 0.0, runnable: Optional[float] = None) -> float:
+    """How much slower each of ``n`` busy processes computes than the profile's single process did
+    (fair share of ``cores``): the profile shared them with ``background`` other runnable tasks,
+    the run with ``runnable`` tasks in all (measured while it ran: ours and others'; default ``n +
+    background``): ``max(1, R / C) / max(1, (1 + B) / C)``; on a quiet machine ``max(1, n / C)``."""
+    r = n + background if runnable is None else max(float(n), runnable)
+    return max(1.0, r / cores) / max(1.0, (1.0 + background) / cores)
 
 
 def _median_time(fn, reps: int) -> float:

@@ -12,11 +12,20 @@
    DP x CP baseline (CP sized for the longest document; CP=3 at 3 ranks, the power of two does not
    divide 3), with the run_demo.sh options (capacity 256, 4096-token batches, length scale 1/512).
 3. Simulates each logged step: the same lengths (samples log -> the dataset's pieces), the same plan
-   (``bytescale.plan`` with the same cost profile, or ``static_cp_plan``), priced by the "cpu-gloo"
-   cluster made of the measured numbers. CPU sharing: the profile used for the N-rank runs is
-   measured by N processes at once, right before them (they share the cores as the ranks do);
-   ``--single-profile`` instead uses one single-process profile and models N processes on C cores
-   as max(1, N/C) times slower compute. Steps 0-1 (warm-up) are left out.
+   (``bytescale.plan`` with the cost profile the run was given, or ``static_cp_plan``), priced by
+   the "cpu-gloo" cluster made of the measured numbers: by default the TRAINER-PATH profile
+   (benchmarks/sim_trainer_profile.py): a1, b1 and the per-micro-batch overhead g fitted on packed
+   micro-batches of real documents timed through ``HybridDataParallel.micro_batch`` exactly as
+   the trainer runs them (bytescale's varlen kernel, loss, backward, ``.cpu()``); the CPU ring
+   kernel's extra cost per s^2/d and per block step (virtual ring vs varlen kernel); the ring-step
+   wait measured with N processes exchanging K/V shards between compute blocks (peers
+   descheduled on oversubscribed cores). Oversubscription is modelled explicitly: N busy ranks on
+   C cores with B other runnable tasks (sampled from /proc/loadavg while profiling) compute
+   ``max(1, (N + B) / C) / max(1, (1 + B) / C)`` times slower than the one-process profile (on a
+   quiet machine ``max(1, N / C)``). ``--concurrent-profile``: the earlier model (a
+   ``bytescale.profile`` measured by N processes at once, no trainer-path terms). Steps 0-1
+   (warm-up) are left out. ``--reuse`` keeps the measured inputs, ``--reuse-runs`` the training
+   logs (no training: iterate on the model).
 Prints a table (measured vs predicted mean step time, error) and writes OUT/validate.json.
 """
 from __future__ import annotations
@@ -191,12 +200,17 @@ def run_training(nproc: int, strategy: str, steps: int, outdir: str, profile_pat
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            "-m", "bytescale.train"] + COMMON + extra
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    from sim_trainer_profile import RunnableSampler
+
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    with RunnableSampler() as sampler:  # the cores' load while the run trains (ours + others')
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if p.returncode != 0:
         raise RuntimeError(f"training {name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    with open(os.path.join(outdir, f"{name}.runnable.json"), "w") as f:
+        json.dump({"runnable": sampler.runnable(1), "samples": sampler.samples}, f)
     return {"metrics": metrics, "samples": samples, "wall_s": f"{time.perf_counter() - t0:.1f}",
-            "extra": " ".join(extra)}
+            "extra": " ".join(extra), "runnable": sampler.runnable(1)}
 
 
 def simulate_run(nproc: int, strategy: str, files: Dict[str, str], prof: Dict[str, Any], p2p: Dict[str, float],
@@ -361,13 +375,13 @@ def main() -> None:
     from sim_trainer_profile import oversubscription
 
     bg = (tp["local"].get("background_runnable") or 0.0) if tp else 0.0
-    print(f"oversubscription: N ranks on {cores} cores with {bg:.1f} other runnable tasks (measured while "
-          f"profiling): compute x max(1, (N + B) / C) / max(1, (1 + B) / C)")
+    print(f"oversubscription: the profile shared {cores} cores with B = {bg:.1f} other runnable tasks; a run "
+          f"with R runnable tasks (sampled while it trains; N + B when not sampled) computes "
+          f"max(1, R / C) / max(1, (1 + B) / C) times slower")
     for n in args.ranks:
-        slow = oversubscription(n, cores, bg)
         prof_n = prof
         if args.concurrent_profile and n > 1:
-            prof_n, slow = measure_profile_concurrent(n), 1.0
+            prof_n = measure_profile_concurrent(n)
             print(f"profile measured by {n} processes at once: a1={prof_n['a1']:.3e} b1={prof_n['b1']:.3e} "
                   f"g={prof_n['g']:.3e} optimizer={prof_n['optimizer_s'] * 1e3:.2f} ms", flush=True)
         profiles[n] = prof_n
@@ -379,11 +393,17 @@ def main() -> None:
             name = f"{strategy}{n}"
             if args.reuse_runs:
                 files = {"metrics": os.path.join(args.out, f"{name}.jsonl"),
-                         "samples": os.path.join(args.out, f"{name}.samples.jsonl"), "wall_s": "nan"}
+                         "samples": os.path.join(args.out, f"{name}.samples.jsonl"), "wall_s": "nan",
+                         "runnable": None}
+                rpath = os.path.join(args.out, f"{name}.runnable.json")
+                if os.path.isfile(rpath):
+                    with open(rpath) as f:
+                        files["runnable"] = json.load(f)["runnable"]
             else:
                 files = run_training(n, strategy, args.steps, args.out, profile_path)
+            slow = 1.0 if args.concurrent_profile and n > 1 else oversubscription(n, cores, bg, files["runnable"])
             res = simulate_run(n, strategy, files, prof_n, p2p, args.skip, slow, tp, profile_path)
-            res["background_runnable"] = bg
+            res["background_runnable"], res["run_runnable"] = bg, files["runnable"]
             res["train_wall_s"] = float(files["wall_s"])
             results.append(res)
             print(f"  {strategy} x{n}: measured {res['measured_s'] * 1e3:.1f} ms, predicted "
