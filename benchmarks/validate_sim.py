@@ -253,8 +253,12 @@ def simulate_run(nproc: int, strategy: str, files: Dict[str, str], prof: Dict[st
     cl = ClusterSpec("cpu-gloo", gpus=nproc, gpus_per_node=nproc, intra_bw=p2p["bandwidth_Bps"],
                      intra_latency=lat * prof["model_layers"], inter_bw=p2p["bandwidth_Bps"],
                      inter_latency=lat * prof["model_layers"], host_bw=prof["bw_d2h"],
-                     gpu_memory=8e9, peak_flops=0.1e12, compute_slowdown=slow, ring_a1_extra=ring_extra,
+                     gpu_memory=8e9, peak_flops=0.1e12, compute_slowdown=max(1.0, slow), ring_a1_extra=ring_extra,
                      ring_step_s=ring_step, source="measured")
+    # the gradient all-reduce (fp32, ring algorithm): 2(n-1) hops, each one exchange's wait (the
+    # per-layer scaling of the ring's latency above does not apply to it)
+    grad = 4.0 * prof["params"]
+    sync = 2.0 * (nproc - 1) / nproc * grad / p2p["bandwidth_Bps"] + 2.0 * (nproc - 1) * lat if nproc > 1 else 0.0
     shape = model_shape("tiny")
     rows = []
     for step in sorted(measured):
@@ -268,8 +272,9 @@ def simulate_run(nproc: int, strategy: str, files: Dict[str, str], prof: Dict[st
             sched = schedule_from_plan("hdp", plan(lens, nproc, CAPACITY, strategy="balanced", cost=plan_cost),
                                        lens, "remote")
         r = simulate(sched, cl, shape, price, int(lens.sum()), float((lens.astype(float) ** 2).sum()),
-                     grad_bytes=4.0 * prof["params"], step_overhead_s=prof["optimizer_s"] * slow)
-        rows.append((step, measured[step], r.step_time_s, r.breakdown()))
+                     grad_bytes=grad, step_overhead_s=prof["optimizer_s"] * slow)
+        bd = dict(r.breakdown(), grad_sync_s=sync)  # the engine's sync scales the latency per layer
+        rows.append((step, measured[step], r.step_time_s - r.grad_sync_s + sync, bd))
     m = np.array([x[1] for x in rows])
     pr = np.array([x[2] for x in rows])
     bd = {k: float(np.mean([x[3][k] for x in rows])) for k in rows[0][3]} if rows else {}
