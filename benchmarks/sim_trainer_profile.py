@@ -120,7 +120,8 @@ def _packs(lengths: np.ndarray, capacity: int, n: int, rng: np.random.Generator)
     return out
 
 
-def local_profile(cfg: Any, vocab: int, lengths: np.ndarray, capacity: int, n_mb: int = 24, reps: int = 5) -> Dict[str, Any]:
+def local_profile(cfg: Any, vocab: int, lengths: np.ndarray, capacity: int, n_mb: int = 24,
+                  reps: int = 5) -> Dict[str, Any]:
     """Whole-model micro-batch time through ``HybridDataParallel.micro_batch`` (module doc)."""
     import torch.distributed as dist
 

@@ -234,7 +234,8 @@ def simulate_run(nproc: int, strategy: str, files: Dict[str, str], prof: Dict[st
     measured = {r["step"]: r["step_time_s"] for r in read_jsonl(files["metrics"])}
     batches = {r["step"]: r["samples"] for r in read_jsonl(files["samples"])}
     flat = {k: prof[k] for k in ("a1", "b1", "g", "a2", "b2", "layers", "bw_d2h", "bw_h2d")}
-    flat_cost = load_cost_model(dict(flat, ring_bw=p2p["bandwidth_Bps"], ring_latency=p2p["latency_s"] * prof["model_layers"],
+    flat_cost = load_cost_model(dict(flat, ring_bw=p2p["bandwidth_Bps"],
+                                     ring_latency=p2p["latency_s"] * prof["model_layers"],
                                      kv_bytes_per_token=prof["kv_bytes_per_layer_token"] * prof["model_layers"]))
     if plan_profile and os.path.isfile(plan_profile):
         with open(plan_profile) as f:
@@ -316,7 +317,8 @@ def measure_trainer_profile(ranks: List[int], kv_bytes_per_step: float) -> Dict[
     local = local_profile(cfg, vocab, lengths, CAPACITY)
     ring = ring_profile(local["heads"], local["kv_heads"], local["head_dim"], local["attn_layers"], lengths, CAPACITY)
     bg = local["background_runnable"] or 0.0
-    exch = {str(n): ring_exchange_latency(n, int(kv_bytes_per_step), background=bg) for n in sorted(set(ranks)) if n > 1}
+    exch = {str(n): ring_exchange_latency(n, int(kv_bytes_per_step), background=bg)
+            for n in sorted(set(ranks)) if n > 1}
     return {"local": local, "ring": ring, "exchange": exch}
 
 
