@@ -1,0 +1,150 @@
+"""``python -m bytescale.sim``: simulate one training step per strategy and print a table.
+
+    python -m bytescale.sim --corpus byted --model llama-7b --gpus 1024 --gpus-per-node 8 \\
+        --context 2M --strategy all --json sim.json --png sim.png
+
+Lengths come from a synthetic corpus (``--corpus byted|github``: one global batch of
+``--global-batch-tokens`` tokens, seeded) or a file (``--lengths FILE``: integers, one or more per
+line, ``#`` comments). Documents longer than ``--context`` are cut into pieces of at most that many
+tokens. The JSON holds, per strategy, ``step_time_s``, ``tokens_per_s``, ``mfu`` and the breakdown.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from .strategies import STRATEGIES
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_tokens(text: str, what: str = "context") -> int:
+    """``"2M"`` -> 2,097,152, ``"256K"`` -> 262,144, ``"32768"`` -> 32,768 (binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KkMmGg]?)\s*", str(text))
+    if not m:
+        raise ValueError(f"--{what} {text!r}: expected a token count such as 2M, 256K or 32768")
+    v = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    if v < 1 or v != int(v):
+        raise ValueError(f"--{what} {text!r}: must be a whole number of tokens >= 1")
+    return int(v)
+
+
+def read_lengths(path: str) -> np.ndarray:
+    """Integers >= 1 from ``path`` (whitespace separated, ``#`` starts a comment)."""
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise ValueError(f"--lengths {path}: cannot read it ({e.strerror})") from None
+    out: List[int] = []
+    for no, line in enumerate(lines, 1):
+        for tok in line.split("#", 1)[0].split():
+            if not re.fullmatch(r"\d+", tok) or int(tok) < 1:
+                raise ValueError(f"--lengths {path}: line {no}: {tok!r} is not an integer >= 1")
+            out.append(int(tok))
+    if not out:
+        raise ValueError(f"--lengths {path}: no lengths in the file")
+    return np.asarray(out, dtype=np.int64)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bytescale.sim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--corpus", help="synthetic corpus: byted or github")
+    src.add_argument("--lengths", help="file of sequence lengths (one global batch)")
+    p.add_argument("--model", default="llama-7b", help="llama-7b, llama-13b, llama-30b, llama-70b, "
+                   "mistral-8x7b, a bytescale preset (tiny, ...) or an HF config.json path")
+    p.add_argument("--gpus", type=int, default=1024)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--context", default="2M", help="longest sequence; longer documents are split (2M, 256K, ...)")
+    p.add_argument("--strategy", default="all", help=f"{', '.join(STRATEGIES)} or all (comma-separated list allowed)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--png", help="per-rank timeline PNG")
+    p.add_argument("--capacity", default=None, help="tokens per micro-batch per device (default: what fits in memory)")
+    p.add_argument("--global-batch-tokens", default="32M", help="tokens per global batch (synthetic corpora)")
+    p.add_argument("--cluster", default="h100-nvlink-ib400", help="cluster preset")
+    p.add_argument("--profile", default=None, help="cost profile JSON from bytescale.profile ('default': the "
+                   "planner's built-in one); default: derived from the model's FLOPs")
+    p.add_argument("--efficiency", type=float, default=0.4, help="attained / peak FLOP/s of the derived cost model")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-ranks-drawn", type=int, default=48, help="ranks drawn in the PNG (sampled)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from . import simulate_batch, table, timeline_png
+    from .strategies import split_at_context
+
+    context = parse_tokens(args.context, "context")
+    names = list(STRATEGIES) if args.strategy == "all" else [s.strip() for s in args.strategy.split(",")]
+    for n in names:
+        if n not in STRATEGIES:
+            raise ValueError(f"--strategy {n!r}: unknown; choose from {', '.join(STRATEGIES)} or all")
+    if args.gpus < 1 or args.gpus_per_node < 1:
+        raise ValueError(f"--gpus {args.gpus} / --gpus-per-node {args.gpus_per_node}: must be >= 1")
+    if args.corpus is not None:
+        from ..data.synthetic import CORPORA, global_batch_lengths
+
+        if args.corpus not in CORPORA:
+            raise ValueError(f"--corpus {args.corpus!r}: unknown; choose from {', '.join(sorted(CORPORA))} "
+                             "(or give --lengths FILE)")
+        raw = global_batch_lengths(args.corpus, parse_tokens(args.global_batch_tokens, "global-batch-tokens"),
+                                   seed=args.seed)
+        source = f"corpus {args.corpus} (seed {args.seed})"
+    else:
+        raw = read_lengths(args.lengths)
+        source = f"lengths {args.lengths}"
+    lengths = split_at_context(raw, context)
+    cap = parse_tokens(args.capacity, "capacity") if args.capacity is not None else None
+    t0 = time.perf_counter()
+    results = simulate_batch(lengths, args.model, args.gpus, args.gpus_per_node, names, args.cluster,
+                             cap, args.efficiency, args.profile)
+    took = time.perf_counter() - t0
+    cap = results[0].info["capacity"]
+    head = (f"{source}: {len(lengths)} sequences, {int(lengths.sum()):,} tokens, longest {int(lengths.max()):,}; "
+            f"model {args.model}, {args.gpus} GPUs ({args.gpus_per_node}/node, {args.cluster}), "
+            f"capacity {cap} tokens/GPU; simulated in {took:.2f} s")
+    print(head)
+    print(table(results))
+    if args.json:
+        doc = {"config": {"source": source, "model": args.model, "gpus": args.gpus,
+                          "gpus_per_node": args.gpus_per_node, "context": context, "capacity": cap,
+                          "cluster": args.cluster, "profile": args.profile, "efficiency": args.efficiency,
+                          "sequences": int(len(lengths)), "tokens": int(lengths.sum()), "seed": args.seed,
+                          "simulation_s": took},
+               "strategies": {r.strategy: r.to_dict() for r in results}}
+        base = doc["strategies"].get("static")
+        if base:
+            for r in doc["strategies"].values():
+                r["speedup_vs_static"] = base["step_time_s"] / r["step_time_s"]
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.png:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--png needs matplotlib (pip install matplotlib)")
+        timeline_png(results, args.png, args.max_ranks_drawn, title=head.split(";")[0])
+        print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Prices a :class:`~bytescale.sim.strategies.Schedule` on a cluster and replays it.
+
+Per micro-batch on one rank (all times per layer, then x layers; a1, b1, g, a2, b2 from the cost
+model, :mod:`bytescale.sim.model`):
+
+* compute: ``a1 x attn + b1 x tokens + g`` where ``attn`` is the rank's share of the attention work
+  (sum of s^2 / ring size) and ``tokens`` the tokens it holds (``g`` once per micro-batch: one
+  varlen kernel call per layer);
+* ring communication (ring size d > 1): ``d - 1`` ring steps, each moving this rank's K/V shard
+  forward and K/V plus their gradients backward (3 transfers of ``kv_bytes x tokens`` at the link's
+  bandwidth, plus 3 latencies). The link is NVLink when all members sit on one node, the inter-node
+  link otherwise (a ring advances at its slowest hop). Each step overlaps with that step's
+  attention block (``a1 x attn / d``); what compute does not cover is exposed:
+  ``(d-1) x max(0, step_comm - a1 attn / d)``; a ring micro-batch's compute adds the cluster's
+  measured ring-kernel terms ``ring_a1_extra x attn + ring_step_s x d`` (0 by default);
+* offloading (ratio r, chosen by the planner with Eq. 3): ``r x Act(tokens)`` bytes go to the host
+  during the forward (hidden under the forward, a third of the compute) and come back during the
+  backward (hidden under the other two thirds); what does not fit is exposed.
+
+The micro-batch durations go to the C++ replay (``bytescale._C.planner.replay_schedule``): every
+rank runs its micro-batches in order, a ring micro-batch starts when all its members are free, and
+the waiting is idle time (so is a ring member's wait for the ring's slowest member: zig-zag
+shards can differ by a token). After the last micro-batch: the gradient synchronisation (a ring
+all-reduce of bf16 gradients over all ranks, not overlapped with compute: conservative, the same
+for every strategy). Before the first: the data-loading stall (``Schedule.loader``): ``global``
+costs ``global batch tokens x 4 bytes / loader_bw`` (every node reads the whole batch to learn its
+lengths before the plan exists), ``local`` and ``remote`` are prefetched under the previous step.
+
+Per rank, ``compute + exposed_comm + offload + idle + grad_sync + data_stall + step_overhead ==
+step_time`` (``step_overhead``: a stated fixed per-step cost such as the optimizer step, 0 unless
+given).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+from .cluster import ClusterSpec
+from .model import ModelShape
+from .strategies import Schedule
+
+__all__ = ["SimResult", "simulate", "micro_batch_times", "BYTES_PER_TOKEN_READ"]
+
+BYTES_PER_TOKEN_READ = 4.0  # int32 token ids (bytescale's token store)
+
+
+@dataclass(frozen=True, eq=False)
+class SimResult:
+    """One strategy's simulated step. Arrays are per rank (``compute`` ... ``idle``, ``finish``)
+    or per micro-batch (``mb_start``, ``mb_end``, ``mb_comm``, ``mb_compute``, ``mb_offload``)."""
+
+    strategy: str
+    step_time_s: float
+    tokens: int
+    tokens_per_s: float
+    mfu: float
+    compute: np.ndarray
+    exposed_comm: np.ndarray
+    offload: np.ndarray
+    idle: np.ndarray
+    grad_sync_s: float
+    data_stall_s: float
+    step_overhead_s: float
+    mb_start: np.ndarray
+    mb_end: np.ndarray
+    mb_compute: np.ndarray
+    mb_comm: np.ndarray
+    mb_offload: np.ndarray
+    schedule: Schedule
+    info: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def world(self) -> int:
+        return self.schedule.world
+
+    def breakdown(self) -> Dict[str, float]:
+        """Seconds per step, averaged over ranks (they sum to ``step_time_s``)."""
+        return {"compute_s": float(self.compute.mean()), "exposed_comm_s": float(self.exposed_comm.mean()),
+                "offload_s": float(self.offload.mean()), "idle_s": float(self.idle.mean()),
+                "grad_sync_s": self.grad_sync_s, "data_stall_s": self.data_stall_s,
+                "step_overhead_s": self.step_overhead_s}
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON record of the strategy (CLI ``--json``)."""
+        b = self.breakdown()
+        return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+                "tokens": self.tokens, "breakdown": b,
+                "breakdown_share": {k: v / self.step_time_s if self.step_time_s > 0 else 0.0 for k, v in b.items()},
+                "per_rank": {"compute_s": _stats(self.compute), "exposed_comm_s": _stats(self.exposed_comm),
+                             "offload_s": _stats(self.offload), "idle_s": _stats(self.idle)},
+                "micro_batches": self.schedule.num_micro_batches,
+                "micro_batches_per_rank_max": int(np.diff(self.schedule.rank_mb).max()) if self.world else 0,
+                **{k: (None if isinstance(v, float) and v != v else v) for k, v in self.info.items()}}
+
+
+def _stats(x: np.ndarray) -> Dict[str, float]:
+    return {"min": float(x.min()), "mean": float(x.mean()), "max": float(x.max())} if x.size else {}
+
+
+def micro_batch_times(s: Schedule, cl: ClusterSpec, cost: Any) -> Dict[str, np.ndarray]:
+    """Per micro-batch ``compute``, exposed ``comm`` and exposed ``offload`` seconds (module doc)."""
+    L = float(cost.layers)
+    attn = cost.a1 * s.mb_attn
+    layer = attn + cost.b1 * s.mb_tokens + cost.g * (s.mb_tokens > 0)
+    ring = s.mb_ring >= 0
+    if ring.any() and (cl.ring_a1_extra or cl.ring_step_s):
+        # the ring kernel's own cost (cluster fields, measured): per s^2/d and per block step
+        layer = layer.copy()
+        layer[ring] += cl.ring_a1_extra * s.mb_attn[ring] + cl.ring_step_s * s.mb_ring_size[ring]
+    compute = L * layer
+    comm = np.zeros_like(compute)
+    if ring.any():
+        crosses = s.ring_crosses_nodes(cl.gpus_per_node)[s.mb_ring[ring]]
+        bw = np.where(crosses, cl.inter_bw, cl.intra_bw)
+        lat = np.where(crosses, cl.inter_latency, cl.intra_latency)
+        d = s.mb_ring_size[ring].astype(np.float64)
+        step_comm = 3.0 * (lat + cost.kv_bytes_per_token * s.mb_tokens[ring] / bw)
+        comm[ring] = L * (d - 1) * np.maximum(0.0, step_comm - attn[ring] / d)
+    off = np.zeros_like(compute)
+    has = s.mb_offload > 0
+    if has.any():
+        act = cost.a2 * s.mb_tokens[has] + cost.b2
+        copy = s.mb_offload[has] * act / cl.host_bw
+        off[has] = L * (np.maximum(0.0, copy - layer[has] / 3.0) + np.maximum(0.0, copy - 2.0 * layer[has] / 3.0))
+    return {"compute": compute, "comm": comm, "offload": off}
+
+
+def _per_rank(s: Schedule, x: np.ndarray) -> np.ndarray:
+    return np.bincount(s.mb_rank, weights=x, minlength=s.world)
+
+
+def simulate(s: Schedule, cl: ClusterSpec, shape: ModelShape, cost: Any, tokens: int,
+             sum_sq: float, grad_bytes: Optional[float] = None, step_overhead_s: float = 0.0) -> SimResult:
+    """Simulates one step of schedule ``s`` (module docstring). ``tokens``/``sum_sq``: the global
+    batch's tokens and sum of squared document lengths (for tokens/s and MFU); ``grad_bytes``:
+    bytes all-reduced per step (default: bf16 gradients of every parameter); ``step_overhead_s``:
+    a fixed per-step cost outside the micro-batches (the optimizer step, gradient clipping; 0 by
+    default: negligible next to a large model's step, measured by ``benchmarks/validate_sim.py``
+    for its CPU runs)."""
+    from .. import _C
+
+    if s.world > cl.gpus:
+        raise ValueError(f"schedule for {s.world} ranks on a cluster of {cl.gpus} devices")
+    t = micro_batch_times(s, cl, cost)
+    dur = t["compute"] + t["comm"] + t["offload"]
+    rep = _C.planner.replay_schedule(s.world, s.rank_mb, s.mb_ring, s.ring_grp, s.grp_ranks,
+                                     np.ascontiguousarray(dur))
+    grad_bytes = 2.0 * shape.params if grad_bytes is None else grad_bytes
+    sync = cl.allreduce_time(grad_bytes, s.world)
+    stall = 0.0
+    if s.loader == "global":
+        stall = tokens * BYTES_PER_TOKEN_READ / cl.loader_bw
+    if not step_overhead_s >= 0:
+        raise ValueError(f"step_overhead_s must be >= 0, got {step_overhead_s!r}")
+    step = float(rep.step_time) + sync + stall + step_overhead_s
+    flops = shape.flops(tokens, sum_sq)
+    comp, comm, off = _per_rank(s, t["compute"]), _per_rank(s, t["comm"]), _per_rank(s, t["offload"])
+    # idle = waiting for ring partners (including a ring's faster members waiting for its slowest
+    # one, which the replay counts as busy) + the tail after the rank's last micro-batch
+    idle = float(rep.step_time) - (comp + comm + off)
+    return SimResult(
+        strategy=s.strategy, step_time_s=step, tokens=int(tokens),
+        tokens_per_s=tokens / step if step > 0 else float("inf"),
+        mfu=flops / (step * s.world * cl.peak_flops) if step > 0 else 0.0,
+        compute=comp, exposed_comm=comm, offload=off, idle=idle, grad_sync_s=sync, data_stall_s=stall,
+        step_overhead_s=float(step_overhead_s),
+        mb_start=np.asarray(rep.mb_start) + stall, mb_end=np.asarray(rep.mb_end) + stall,
+        mb_compute=t["compute"], mb_comm=t["comm"], mb_offload=t["offload"], schedule=s,
+        info={"planner_predicted_step_s": s.planner_step, "replay_step_s": float(rep.step_time),
+              **s.info})

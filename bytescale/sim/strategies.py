@@ -1,0 +1,191 @@
+"""The strategies the simulator compares, each turned into one flat :class:`Schedule`.
+
+In the paper's ablation order (each adds one idea to the previous):
+
+============  =======================================================================================
+static        DP x CP, one CP degree sized for the longest sequence (the smallest power of two with
+              ``cp x capacity >= longest``), every sequence sharded over its replica's CP group
+              (``bytescale.data.baselines.static_cp_plan``, the runtime's own baseline)
+pow2          Megatron-style dynamic CP: each long sequence on a power-of-two group, token-balanced
+              (``bytescale.plan(strategy="pow2")``)
+hdp           HDP with dynamic communication only: any-integer ring sizes, memory-driven, token-
+              balanced (the paper's Alg. 1, ``strategy="naive"``)
+hdp-offload   + selective activation offloading (Eq. 3, ``offload=True``)
+hdp-balance   + the balance scheduler (bytescale's sync-aware ``strategy="balanced"``, offloading on)
+hdp-full      + remote data loading: the same plan, the data-loading stall overlapped
+============  =======================================================================================
+
+A :class:`Schedule` holds exactly the arrays the C++ replay takes (``rank_mb``, ``mb_ring``,
+``ring_grp``, ``grp_ranks``; see csrc/planner/replay.h) plus what the engine prices per micro-batch:
+the tokens this rank holds, its share of the attention work (sum of s^2 / ring size over its
+documents), the ring size, the offload ratio and the number of documents.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+__all__ = ["STRATEGIES", "Schedule", "build_schedule", "schedule_from_plan", "static_schedule", "split_at_context"]
+
+# name -> (planner strategy or "static", offload, loader model)
+STRATEGIES: Dict[str, Tuple[str, bool, str]] = {
+    "static": ("static", False, "local"),
+    "pow2": ("pow2", False, "global"),
+    "hdp": ("naive", False, "global"),
+    "hdp-offload": ("naive", True, "global"),
+    "hdp-balance": ("balanced", True, "global"),
+    "hdp-full": ("balanced", True, "remote"),
+}
+
+
+@dataclass(frozen=True, eq=False)
+class Schedule:
+    """One step's schedule in the replay's flat layout plus per-micro-batch work.
+
+    ``loader``: ``"local"`` (each data-parallel replica reads only its share, prefetched),
+    ``"global"`` (every node reads the whole global batch to learn its lengths before planning;
+    not overlapped) or ``"remote"`` (loader servers, one planner, ranks pull their slices,
+    prefetched: the paper's remote data loading).
+    """
+
+    strategy: str
+    world: int
+    rank_mb: np.ndarray    # int64 [world + 1]
+    mb_ring: np.ndarray    # int64 [M], -1 = local
+    ring_grp: np.ndarray   # int64 [rings + 1]
+    grp_ranks: np.ndarray  # int32
+    mb_tokens: np.ndarray  # float64 [M]: tokens this rank holds in the micro-batch
+    mb_attn: np.ndarray    # float64 [M]: sum over its documents of s^2 / ring size
+    mb_ring_size: np.ndarray  # int64 [M]: 1 for a local micro-batch
+    mb_offload: np.ndarray    # float64 [M]: offload ratio r
+    mb_docs: np.ndarray       # int64 [M]: documents (or pieces) in the micro-batch
+    loader: str
+    planner_step: float = float("nan")  # the planner's own prediction (its cost model), seconds
+    info: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return int(self.mb_ring.shape[0])
+
+    @property
+    def mb_rank(self) -> np.ndarray:
+        """The rank of each micro-batch."""
+        return np.repeat(np.arange(self.world), np.diff(self.rank_mb))
+
+    def ring_crosses_nodes(self, gpus_per_node: int) -> np.ndarray:
+        """bool [rings]: does the ring's group span more than one node?"""
+        n = self.ring_grp.shape[0] - 1
+        if n == 0:
+            return np.zeros(0, dtype=bool)
+        node = self.grp_ranks.astype(np.int64) // gpus_per_node
+        starts = self.ring_grp[:-1]
+        nonempty = np.diff(self.ring_grp) > 0
+        lo = np.minimum.reduceat(node, starts[nonempty]) if node.size else np.zeros(0, np.int64)
+        hi = np.maximum.reduceat(node, starts[nonempty]) if node.size else np.zeros(0, np.int64)
+        out = np.zeros(n, dtype=bool)
+        out[nonempty] = lo != hi
+        return out
+
+
+def split_at_context(lengths: np.ndarray, context: int) -> np.ndarray:
+    """Documents longer than ``context`` cut into consecutive pieces of at most ``context``
+    tokens (no token dropped), as ``python -m bytescale.train`` does with ``--max-length``."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if context < 1:
+        raise ValueError(f"context must be >= 1 token, got {context}")
+    if lengths.size == 0 or lengths.max() <= context:
+        return lengths
+    pieces = -(-lengths // context)
+    out = np.full(int(pieces.sum()), context, dtype=np.int64)
+    last = np.cumsum(pieces) - 1
+    out[last] = lengths - (pieces - 1) * context
+    return out
+
+
+def schedule_from_plan(name: str, plan: Any, lengths: np.ndarray, loader: str) -> Schedule:
+    """The schedule of a :class:`bytescale.planner.Plan` of ``lengths`` (any strategy/options)."""
+    p = plan.raw
+    M = int(p.num_micro_batches)
+    mb_seg = np.asarray(p.mb_seg, dtype=np.int64)
+    seg_mb = np.repeat(np.arange(M), np.diff(mb_seg))
+    seg_len = lengths[np.asarray(p.seg_seq, dtype=np.int64)].astype(np.float64)
+    seg_size = np.asarray(p.seg_ring_size, dtype=np.float64)
+    attn = np.bincount(seg_mb, weights=seg_len * seg_len / seg_size, minlength=M)
+    docs = np.bincount(seg_mb, minlength=M).astype(np.int64)
+    mb_ring = np.asarray(p.mb_ring, dtype=np.int64)
+    ring_grp = np.asarray(p.ring_grp, dtype=np.int64)
+    sizes = np.diff(ring_grp)
+    ring_size = np.where(mb_ring >= 0, sizes[np.maximum(mb_ring, 0)] if sizes.size else 1, 1).astype(np.int64)
+    return Schedule(
+        strategy=name, world=plan.world_size, rank_mb=np.asarray(p.rank_mb, dtype=np.int64),
+        mb_ring=mb_ring, ring_grp=ring_grp, grp_ranks=np.asarray(p.grp_ranks, dtype=np.int32),
+        mb_tokens=np.asarray(p.mb_tokens, dtype=np.float64), mb_attn=attn, mb_ring_size=ring_size,
+        mb_offload=np.asarray(p.mb_offload, dtype=np.float64), mb_docs=docs, loader=loader,
+        planner_step=float(plan.makespan),
+        info={"rings": int(p.num_rings), "max_ring": int(sizes.max()) if sizes.size else 1,
+              "planner_bound": float(plan.lower_bound)})
+
+
+def static_schedule(lengths: np.ndarray, world: int, capacity: int, cp: Optional[int] = None) -> Schedule:
+    """The static DP x CP baseline's schedule (``cp``: its CP degree, default sized for the longest)."""
+    from ..data.baselines import static_cp_plan
+
+    sp = static_cp_plan(lengths.tolist(), world, capacity, cp)
+    cp, R = sp.cp, world // sp.cp
+    # every replica's bins, in order; bin b of replica r is one micro-batch on each of its cp ranks
+    bins: List[List[int]] = [b for rep in sp.per_replica for b in rep]
+    nb = np.array([len(rep) for rep in sp.per_replica], dtype=np.int64)  # bins per replica
+    L = lengths.astype(np.float64)
+    bin_tok = np.array([L[b].sum() for b in bins], dtype=np.float64)
+    bin_sq = np.array([(L[b] ** 2).sum() for b in bins], dtype=np.float64)
+    bin_docs = np.array([len(b) for b in bins], dtype=np.int64)
+    rep_first = np.concatenate([[0], np.cumsum(nb)])
+    # ranks in order: replica r owns ranks r*cp .. r*cp+cp-1, each running the replica's bins
+    per_rank = np.repeat(nb, cp)
+    rank_mb = np.concatenate([[0], np.cumsum(per_rank)]).astype(np.int64)
+    rank_rep = np.repeat(np.arange(R), cp)
+    mb_bin = np.concatenate([np.arange(rep_first[r], rep_first[r + 1]) for r in rank_rep]) \
+        if rank_mb[-1] else np.zeros(0, np.int64)
+    if cp > 1:
+        mb_ring = mb_bin.astype(np.int64)  # bins are numbered replica by replica: one ring each
+        bin_rep = np.repeat(np.arange(R), nb)
+        grp_ranks = (bin_rep[:, None] * cp + np.arange(cp)[None, :]).reshape(-1).astype(np.int32)
+        ring_grp = np.arange(len(bins) + 1, dtype=np.int64) * cp
+    else:
+        mb_ring = np.full(mb_bin.shape, -1, dtype=np.int64)
+        grp_ranks = np.zeros(0, dtype=np.int32)
+        ring_grp = np.zeros(1, dtype=np.int64)
+    return Schedule(
+        strategy="static", world=world, rank_mb=rank_mb, mb_ring=mb_ring, ring_grp=ring_grp,
+        grp_ranks=grp_ranks, mb_tokens=bin_tok[mb_bin] / cp, mb_attn=bin_sq[mb_bin] / cp,
+        mb_ring_size=np.full(mb_bin.shape, cp, dtype=np.int64), mb_offload=np.zeros(mb_bin.shape),
+        mb_docs=bin_docs[mb_bin], loader="local",
+        info={"cp": cp, "dp": R, "rings": len(bins) if cp > 1 else 0, "max_ring": cp})
+
+
+def build_schedule(name: str, lengths: np.ndarray, world: int, capacity: int, cost: Any,
+                   plans: Optional[Dict[Tuple[str, bool], Any]] = None) -> Schedule:
+    """The schedule of strategy ``name`` (:data:`STRATEGIES`) for one global batch.
+
+    ``plans`` caches planner results by (planner strategy, offload) so that hdp-balance and
+    hdp-full share one plan. Raises ValueError for an unknown strategy or a batch that does not fit
+    (e.g. a sequence needing more ranks than exist).
+    """
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)} or all")
+    kind, offload, loader = STRATEGIES[name]
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if kind == "static":
+        return static_schedule(lengths, world, capacity)
+    from ..planner import plan as make_plan
+
+    key = (kind, offload)
+    if plans is not None and key in plans:
+        p = plans[key]
+    else:
+        p = make_plan(lengths, world, capacity, strategy=kind, offload=offload, cost=cost)
+        if plans is not None:
+            plans[key] = p
+    return schedule_from_plan(name, p, lengths, loader)
