@@ -110,6 +110,10 @@ ENV_KNOBS = {
     "BYTESCALE_CHECK_COLLECTIVES": (
         "1", "0 turns off the cross-rank fingerprint check before CPU collectives (same value on "
              "every rank); read once per process (csrc/common/env.h)."),
+    "BYTESCALE_CHECK_RING": (
+        "1", "0 turns off ring attention's agreement check (members compare a digest of documents, "
+             "ring order, dtype, head shapes, causal, scale before any K/V moves; same value on "
+             "every rank); read once per process (csrc/common/env.h)."),
     "BYTESCALE_ATTENTION_KERNEL": (
         "auto", "per-ring-step attention kernel on CUDA: auto, flash, cudnn or tiled; read once "
                 "per process (csrc/common/env.h)."),
