@@ -113,8 +113,15 @@ ENV_KNOBS = {
     "BYTESCALE_TRAIN_TIMEOUT_S": (
         "600", "python -m bytescale.train: the process groups' timeout in seconds (a collective or ring "
                "exchange waiting longer for a peer raises; the checkpoint writer's group too)."),
+    "BYTESCALE_CHECK_RING": (
+        "1", "0 turns off ring attention's agreement check (members compare a digest of documents, "
+             "ring order, dtype, head shapes, causal, scale before any K/V moves; same value on "
+             "every rank); read once per process (csrc/common/env.h)."),
     "BYTESCALE_ATTENTION_KERNEL": (
         "auto", "per-ring-step attention kernel on CUDA: auto, flash, cudnn or tiled; read once "
                 "per process (csrc/common/env.h)."),
+    "BYTESCALE_TRAIN_TIMEOUT_S": (
+        "600", "process-group timeout (seconds) of `python -m bytescale.train`: every collective and "
+               "ring exchange that waits longer raises naming the op, group and silent ranks."),
 }
 """Every environment variable bytescale reads: name -> (default, meaning)."""

@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
-from .. import _C  # noqa: F401  (registers the ops)
+from .. import _C  # registers the ops
 
 if TYPE_CHECKING:
     from ..comm import DynamicGroup
 
-__all__ = ["ring_attention", "varlen_attention", "virtual_ring_attention"]
+__all__ = ["ring_attention", "varlen_attention", "virtual_ring_attention", "set_ring_checks",
+           "ring_checks_enabled"]
 
 _ops = torch.ops.bytescale
 
@@ -109,6 +110,25 @@ torch.library.register_autograd("bytescale::virtual_ring_attn_fwd", _vring_backw
                                 setup_context=_vring_setup)
 
 
+# ---- the ring agreement check -----------------------------------------------------------------
+
+def set_ring_checks(enabled: bool) -> None:
+    """Turn ring attention's agreement check on or off for this process (default on).
+
+    With it on, before any K/V moves the members of a ring exchange a fixed-size digest of the
+    call (documents, ring order, dtype, query / kv heads, head dim, causal, softmax scale,
+    ``bf16_grad_comm``) and every member raises the same error, naming both views, when they
+    differ. ``BYTESCALE_CHECK_RING=0`` sets the default to off. Every rank must use the same
+    setting: the check is itself an exchange.
+    """
+    _C.attention.set_ring_checks(bool(enabled))
+
+
+def ring_checks_enabled() -> bool:
+    """Whether ring attention's agreement check is on in this process."""
+    return bool(_C.attention.ring_checks_enabled())
+
+
 # ---- functional API ---------------------------------------------------------------------------
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens: Sequence[int],
@@ -128,7 +148,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens: 
     the op checks them as the C++ group type dynamic groups use (distinct, inside the world, this
     rank a member). q/k/v hold THIS rank's tokens of the documents (for each document, its zig-zag
     chunk pair at this rank's ring position). Every member calls it with the same ``doc_lens`` and
-    ring. ``bf16_grad_comm`` sends the travelling dK/dV accumulators as bf16 (half the backward
+    ring (checked before any K/V moves unless :func:`set_ring_checks` turned it off: a mismatch
+    raises on every member naming both views). ``bf16_grad_comm`` sends the travelling dK/dV accumulators as bf16 (half the backward
     traffic; fp32 accumulation stays local).
     """
     ranks = getattr(ranks, "ranks", ranks)  # a DynamicGroup's ordered ranks

@@ -134,6 +134,7 @@ class TokenStore:
         bin_size = bin_path.stat().st_size
         if n_seq and int(self.seq_pointers[-1]) + int(self.seq_lengths[-1]) * self.dtype.itemsize > bin_size:
             raise ValueError(f"token store: {bin_path} ({bin_size} bytes) is shorter than its index says")
+        self._check_sequences(idx_path, bin_path, bin_size)
         # Documents as (first token, length) in units of tokens; sequences of a document must be
         # contiguous (always true for files written in order).
         first_seq = self.doc_index[:-1]
@@ -152,6 +153,30 @@ class TokenStore:
             self._start = np.zeros(len(self.lengths), dtype=np.int64)
         self._bin = np.memmap(bin_path, dtype=self.dtype, mode="r") if bin_size else np.zeros(0, self.dtype)
         self.bin_path, self.idx_path = bin_path, idx_path
+
+    def _check_sequences(self, idx_path: Path, bin_path: Path, bin_size: int) -> None:
+        """Every sequence lies inside ``.bin`` at a token boundary (a corrupted index raises here
+        instead of handing out tokens of the wrong place)."""
+        if not len(self.seq_lengths):
+            return
+        lens = self.seq_lengths.astype(np.int64)
+        ptrs = self.seq_pointers
+        bad = lens < 0
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise ValueError(f"token store: {idx_path}: sequence {k} has negative length {int(lens[k])}")
+        item = self.dtype.itemsize
+        if np.any(ptrs % item):
+            k = int(np.argmax(ptrs % item != 0))
+            raise ValueError(f"token store: {idx_path}: sequence {k} starts at byte {int(ptrs[k])}, "
+                             f"not aligned to the {self.dtype} tokens")
+        # pointer <= bin_size - bytes, written so that a huge pointer cannot overflow int64
+        bad = (ptrs < 0) | (ptrs > bin_size - lens * item)
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise ValueError(f"token store: {idx_path}: sequence {k} (bytes [{int(ptrs[k])}, "
+                             f"{int(ptrs[k])} + {int(lens[k]) * item})) lies outside {bin_path} "
+                             f"({bin_size} bytes)")
 
     def __len__(self) -> int:
         return len(self.lengths)

@@ -10,6 +10,7 @@ zig-zag chunks) is the order the loader materialises.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import Sequence, Tuple
 
@@ -121,6 +122,37 @@ class MicroBatchPlan:
             raise ValueError(f"MicroBatchPlan.from_bytes: expected format {_FORMAT!r}")
         try:
             docs = {k: tuple(DocRef(**x) for x in d.pop(k)) for k in ("local", "sharded")}
-            return cls(ring=tuple(d.pop("ring")), **docs, **d)
-        except (TypeError, KeyError) as e:
+            mb = cls(ring=tuple(d.pop("ring")), **docs, **d)
+        except (TypeError, KeyError, ValueError) as e:
             raise ValueError(f"MicroBatchPlan.from_bytes: malformed fields ({e})") from None
+        mb._check_types()
+        return mb
+
+    def _check_types(self) -> None:
+        """Every field of the right type and range (what the constructor does not re-check on the
+        planner's hot path): for plans that crossed a process boundary."""
+        def bad(field: str, value) -> None:
+            raise ValueError(f"MicroBatchPlan.from_bytes: {field} = {value!r} is invalid")
+
+        def is_int(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        for name in ("rank", "index", "ring_pos"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 0:
+                bad(name, getattr(self, name))
+        if not is_int(self.ring_id) or self.ring_id < -1:
+            bad("ring_id", self.ring_id)
+        if not all(is_int(r) and r >= 0 for r in self.ring) or len(set(self.ring)) != len(self.ring):
+            bad("ring", self.ring)
+        for name in ("offload_ratio", "predicted_time"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                bad(name, v)
+        for kind, docs in (("local", self.local), ("sharded", self.sharded)):
+            for j, doc in enumerate(docs):
+                if not is_int(doc.batch_pos) or doc.batch_pos < 0:
+                    bad(f"{kind}[{j}].batch_pos", doc.batch_pos)
+                if not is_int(doc.sample_id) or doc.sample_id < -1:
+                    bad(f"{kind}[{j}].sample_id", doc.sample_id)
+                if not is_int(doc.length) or doc.length < 1:
+                    bad(f"{kind}[{j}].length", doc.length)

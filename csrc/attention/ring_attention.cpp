@@ -4,6 +4,8 @@
 //   bytescale::ring_attn_fwd  / _bwd  : packed documents sharded zig-zag over a ring of global
 //                                        ranks (csrc/attention/zigzag.h), any lengths.
 //
+// Before any K/V moves, the members check that they agree on the call (ring_agreement.h; on by
+// default, BYTESCALE_CHECK_RING=0 turns it off).
 // The ring runs over the world Transport of the tensors' device (comm/transport.h), so the same
 // code runs on Gloo (CPU) and NCCL (CUDA). Forward: at step s rank i attends its queries to the
 // K/V block of ring position (i - s) while the next block is already in flight (ringStep), and
@@ -18,12 +20,14 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <exception>
 #include <limits>
 #include <optional>
 #include <string>
 
 #include "attention/block_attention.h"
 #include "attention/block_step.h"
+#include "attention/ring_agreement.h"
 #include "attention/zigzag.h"
 #include "comm/schedule.h"
 #include "comm/transport.h"
@@ -148,21 +152,71 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlenBwd(
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
 }
 
+namespace {
+
+// This member's view of a ring call for the agreement check (ring_agreement.h); shape fields stay
+// -1 when the tensors are too malformed to read them.
+RingView viewOf(const at::Tensor& q, const at::Tensor& k, c10::IntArrayRef doc_lens,
+                c10::IntArrayRef ranks, bool causal, double scale, bool bf16_grad_comm) {
+  RingView v;
+  v.doc_lens.assign(doc_lens.begin(), doc_lens.end());
+  v.ranks.assign(ranks.begin(), ranks.end());
+  v.dtype = static_cast<int64_t>(q.scalar_type());
+  if (q.dim() == 3) {
+    v.q_heads = q.size(1);
+    v.head_dim = q.size(2);
+    v.scale = resolveScale(scale, q);
+  }
+  if (k.dim() == 3) v.kv_heads = k.size(1);
+  v.causal = causal;
+  v.bf16_grad_comm = bf16_grad_comm;
+  return v;
+}
+
+// The transport the agreement check runs on: the world's CPU (Gloo) transport when there is one,
+// so a CUDA ring's check needs no device synchronisation; else the ring's own.
+comm::Transport& checkTransport(const Ring& ring) {
+  auto cpu = comm::worldTransport(c10::DeviceType::CPU);
+  return cpu ? *cpu : *ring.tr;
+}
+
+}  // namespace
+
 // bf16_grad_comm is the backward's (ring_attn_bwd): the forward takes it so that autograd's
-// setup_context finds it among the op's inputs.
+// setup_context finds it among the op's inputs (and the agreement check covers it).
 std::tuple<at::Tensor, at::Tensor> ringFwd(const at::Tensor& q, const at::Tensor& k,
                                            const at::Tensor& v, c10::IntArrayRef doc_lens,
                                            c10::IntArrayRef ranks, bool causal, double scale,
-                                           bool /*bf16_grad_comm*/) {
-  checkQKV(q, k, v, "ring attention");
-  auto lens = checkedLens(doc_lens, "ring attention");
+                                           bool bf16_grad_comm) {
   Ring ring = makeRing(ranks, q, "ring attention");
   const int64_t n = ring.n(), me = ring.me();
+  // This member's own input checks. With the agreement check on, a failure is first told to the
+  // other members (who would otherwise wait for its K/V until the timeout), then raised here.
+  std::vector<int64_t> lens;
+  std::exception_ptr local_error;
+  std::string local_message;
+  try {
+    checkQKV(q, k, v, "ring attention");
+    lens = checkedLens(doc_lens, "ring attention");
+    const int64_t mine = zigzag::shard_tokens(lens, n, me);
+    TORCH_CHECK(mine == q.size(0) && k.size(0) == q.size(0), "bytescale ", ring.what,
+                ": ring position ", me, " of ", n, " holds ", mine,
+                " tokens of documents ", doc_lens, " but q has ", q.size(0), " and k ", k.size(0));
+  } catch (const c10::Error& e) {
+    local_error = std::current_exception();
+    local_message = e.what_without_backtrace();
+  }
+  // Ring agreement: every member checks that all describe the same call (documents, ring order,
+  // dtype, head shapes, causal, scale, bf16 dK/dV traffic) before any K/V moves; a mismatch
+  // raises on every member naming both views. The backward (ringBwd) relies on this check: autograd
+  // calls it with the forward's very arguments, so it does not repeat the exchange.
+  if (n > 1 && ringChecksEnabled()) {
+    RingView view = viewOf(q, k, doc_lens, ranks, causal, scale, bf16_grad_comm);
+    view.error = local_message;
+    checkRingAgreement(checkTransport(ring), *ring.group, view, ring.what);
+  }
+  if (local_error) std::rethrow_exception(local_error);
   const double sc = resolveScale(scale, q);
-  const int64_t mine = zigzag::shard_tokens(lens, n, me);
-  TORCH_CHECK(mine == q.size(0) && k.size(0) == q.size(0), "bytescale ", ring.what,
-              ": ring position ", me, " of ", n, " holds ", mine,
-              " tokens of documents ", doc_lens, " but q has ", q.size(0), " and k ", k.size(0));
   if (n == 1) return attendOnce(q, k, v, BlockPair{lens, 1, 0, 0, causal}, sc);
   const auto acc = accType(q.scalar_type());
   at::Tensor out = at::zeros({q.size(0), q.size(1), q.size(2)}, q.options().dtype(acc));
@@ -195,6 +249,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ringBwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::IntArrayRef doc_lens,
     c10::IntArrayRef ranks, bool causal, double scale, bool bf16_grad_comm) {
+  // No ring agreement exchange here: autograd calls the backward with the forward's own
+  // arguments, which the forward's check (ringFwd) already found identical on every member.
   checkQKV(q, k, v, "ring attention backward", dout);
   auto lens = checkedLens(doc_lens, "ring attention backward");
   Ring ring = makeRing(ranks, q, "ring attention backward");

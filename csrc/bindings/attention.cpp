@@ -8,6 +8,7 @@
 #include "attention/block_plan.h"
 #include "attention/block_step.h"
 #include "attention/kernel.h"
+#include "attention/ring_agreement.h"
 #include "bindings/bindings.h"
 
 namespace bytescale {
@@ -50,6 +51,11 @@ void bind_attention(pybind11::module_& m) {
           const auto* k = attention::findKernel("cudnn");
           return k != nullptr && k->disabled();
         }, "True once cuDNN rejected a configuration (steps then use flash attention).");
+  m.def("ring_checks_enabled", &attention::ringChecksEnabled,
+        "Whether ring attention's members check that they agree on the call before K/V moves.");
+  m.def("set_ring_checks", &attention::setRingChecksEnabled, py::arg("enabled"),
+        "Turn ring attention's agreement check on or off (default on; env BYTESCALE_CHECK_RING=0 "
+        "turns it off). Every rank must use the same setting.");
   m.def("kernel_choice", &attention::kernelChoice,
         "The kernel choice in force: BYTESCALE_ATTENTION_KERNEL unless set_kernel_choice changed it.");
   m.def("set_kernel_choice", &attention::setKernelChoice, py::arg("choice"),

@@ -16,6 +16,7 @@ Knobs readKnobs() {
   Knobs k;
   if (const char* v = std::getenv("BYTESCALE_CHECK_COLLECTIVES"))
     k.check_collectives = std::string(v) != "0";
+  if (const char* v = std::getenv("BYTESCALE_CHECK_RING")) k.check_ring = std::string(v) != "0";
   if (const char* v = std::getenv("BYTESCALE_ATTENTION_KERNEL")) {
     std::string s(v);
     if (s.empty()) s = "auto";

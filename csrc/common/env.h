@@ -3,6 +3,9 @@
 //
 //   BYTESCALE_CHECK_COLLECTIVES  "0" turns off the cross-rank fingerprint check before CPU
 //                                collectives (default on). Same value on every rank.
+//   BYTESCALE_CHECK_RING         "0" turns off the ring agreement check before ring attention moves
+//                                K/V (default on; csrc/attention/ring_agreement.h). Same value on
+//                                every rank.
 //   BYTESCALE_ATTENTION_KERNEL   "auto" (default), "flash", "cudnn" or "tiled": the per-ring-step
 //                                attention kernel on CUDA (csrc/attention/kernel.h chooses).
 #pragma once
@@ -14,6 +17,7 @@ namespace env {
 
 struct Knobs {
   bool check_collectives = true;
+  bool check_ring = true;
   std::string attention_kernel = "auto";
 };
 

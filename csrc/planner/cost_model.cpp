@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
+#include <iterator>
 #include <sstream>
 #include <stdexcept>
 
@@ -120,6 +121,10 @@ CostModel CostModel::fromJson(const std::string& text) {
       r.expect(':');
       double v = 0;
       bool num = r.value(v);
+      static const char* const kKeys[] = {"a1", "b1", "g", "a2", "b2", "layers", "bw_d2h", "bw_h2d",
+                                          "ring_bw", "ring_latency", "kv_bytes_per_token"};
+      if (!num && std::find(std::begin(kKeys), std::end(kKeys), key) != std::end(kKeys))
+        throw std::invalid_argument("cost model JSON: " + key + " must be a number");
       if (num) {
         if (key == "a1") m.a1 = v;
         else if (key == "b1") m.b1 = v;

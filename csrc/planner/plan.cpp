@@ -46,12 +46,16 @@ void Plan::checkStructure() const {
   if (static_cast<int>(rank_mb.size()) != W + 1)
     bad("rank_mb has " + num(rank_mb.size()) + " entries for world_size " + num(W));
   if (static_cast<int64_t>(mb_seg.size()) != M + 1 || static_cast<int64_t>(mb_offload.size()) != M ||
-      static_cast<int64_t>(mb_cost.size()) != M || static_cast<int64_t>(mb_ring.size()) != M)
+      static_cast<int64_t>(mb_cost.size()) != M || static_cast<int64_t>(mb_ring.size()) != M ||
+      static_cast<int64_t>(mb_tokens.size()) != M)
     bad("micro-batch arrays disagree in length (" + num(M) + " micro-batches)");
   const int64_t S = static_cast<int64_t>(seg_seq.size());
   if (static_cast<int64_t>(seg_ring_size.size()) != S || static_cast<int64_t>(seg_ring_pos.size()) != S ||
       static_cast<int64_t>(seg_tokens.size()) != S)
     bad("segment arrays disagree in length");
+  // Every sequence is held by at least one segment (bounds what readers allocate per sequence).
+  if (num_sequences > S)
+    bad("num_sequences = " + num(num_sequences) + " but only " + num(S) + " segments");
   if (static_cast<int>(rank_cost.size()) != W || static_cast<int>(rank_finish.size()) != W ||
       static_cast<int>(rank_idle.size()) != W)
     bad("per-rank arrays do not have world_size entries");

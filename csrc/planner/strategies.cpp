@@ -318,6 +318,12 @@ Plan Builder::finish(const BoundParts& bound) {
   }
   p.ring_grp = std::move(ring_grp);
   p.grp_ranks = std::move(grp_ranks);
+  for (int64_t m = 0; m < static_cast<int64_t>(p.mb_cost.size()); ++m)
+    if (!std::isfinite(p.mb_cost[m]))
+      throw std::invalid_argument(
+          "plan: the cost model gives micro-batch " + std::to_string(m) + " (" +
+          std::to_string(p.mb_tokens[m]) + " tokens) a cost of " + std::to_string(p.mb_cost[m]) +
+          " s; its coefficients are too large for these lengths");
   ReplayResult rep = replay(p);
   p.rank_finish = std::move(rep.rank_finish);
   p.makespan = rep.step_time;
