@@ -120,8 +120,5 @@ ENV_KNOBS = {
     "BYTESCALE_ATTENTION_KERNEL": (
         "auto", "per-ring-step attention kernel on CUDA: auto, flash, cudnn or tiled; read once "
                 "per process (csrc/common/env.h)."),
-    "BYTESCALE_TRAIN_TIMEOUT_S": (
-        "600", "process-group timeout (seconds) of `python -m bytescale.train`: every collective and "
-               "ring exchange that waits longer raises naming the op, group and silent ranks."),
 }
 """Every environment variable bytescale reads: name -> (default, meaning)."""
