@@ -65,6 +65,8 @@ def _parity(rank: int, world: int):
     objs = [None] * world
     dist.all_gather_object(objs, {"rank": rank}, group=sub)
     out["objects"] = [o["rank"] for o in objs]
+    # the name c10d reports (DDP's logging data "backend_name"), not "custom"
+    out["names"] = (dist.group.WORLD.name(), sub.name(), bytescale.dynamic_group([0]).name())
     return out
 
 
@@ -77,6 +79,7 @@ def test_gloo_parity_ops_match_references(world):
             assert out["anysource"] == {r: [float(r)] * 2 for r in range(1, world)}, out
         assert out["seq_step"] == 1 and out["seq_agree"], out
         assert out["objects"] == list(range(world))
+        assert out["names"] == ("bytescale",) * 3, out["names"]
 
 
 def _recv_from_any_source_work(rank: int, world: int):
