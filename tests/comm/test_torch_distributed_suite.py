@@ -3,8 +3,9 @@
 Runs ``torch_dist_suite.py`` (torch/testing/_internal/distributed/distributed_test.py, every test of
 ``DistributedTest._DistTestBase``: collectives, groups, objects, DDP, barriers, point-to-point) on
 CPU at world size 3 in a fresh interpreter, with every process group on bytescale, and fails on
-any failure and on any skip whose reason is not documented below. About 3-4 minutes on 2 cores
-(the whole suite: no test is deselected). ``BYTESCALE_TORCH_SUITE_K=<pattern>`` runs a subset.
+any failure and on any skip whose reason is not documented below. The whole suite (no test is
+deselected): 285 tests, about 200 s on an idle 2-core VM (380 s on a heavily loaded one).
+Before issue 16: 72 passed, 195 skipped, 18 failed; now 90 passed, 195 skipped, 0 failed. ``BYTESCALE_TORCH_SUITE_K=<pattern>`` runs a subset.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ pytest.importorskip("expecttest", reason="torch's test utilities need expecttest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-BUDGET_S = 900  # the whole run; it takes ~200 s on a 2-core VM
+BUDGET_S = 900  # the whole run (~200 s idle, ~380 s loaded, on 2 cores)
 
 # Every reason the suite may skip a test with, and why that is expected on this machine.
 DOCUMENTED_SKIPS = {
