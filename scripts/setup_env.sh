@@ -26,7 +26,7 @@ if ! $PY -c "import torch" 2>/dev/null; then
   echo "setup: pip install $TORCH_REQ"
   $PY -m pip install -q "$TORCH_REQ"
 fi
-$PY -m pip install -q numpy pytest pytest-timeout hypothesis ninja matplotlib transformers pyarrow datasets ray tqdm tensorboard
+$PY -m pip install -q numpy pytest pytest-timeout hypothesis ninja matplotlib transformers pyarrow datasets ray tqdm tensorboard expecttest
 
 export PATH="/usr/lib/ccache:$PATH"
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}

@@ -36,6 +36,7 @@ Works
 from __future__ import annotations
 
 import datetime
+import sys
 import threading
 from collections import OrderedDict
 from typing import Iterable, Optional, Sequence
@@ -66,9 +67,63 @@ def _as_timedelta(t) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(t))
 
 
+class _NamedProcessGroup(ProcessGroup):
+    """A process group whose every device runs one bytescale backend, named "bytescale".
+
+    c10d's plain ProcessGroup names any plug-in backend "custom" (``ProcessGroup::getBackendName``),
+    and that name is what DDP's logging data (``backend_name``) and ``pg.name()`` report.
+    """
+
+    def __init__(self, backend, bound_device_id=None):
+        super().__init__(backend.rank(), backend.size())
+        for dev in ("cpu", "cuda"):
+            self._register_backend(torch.device(dev), ProcessGroup.BackendType.CUSTOM, backend)
+        self._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+        if bound_device_id is not None:
+            self.bound_device_id = bound_device_id
+
+    def getBackendName(self) -> str:  # noqa: N802 - the C++ virtual's name (PyProcessGroup)
+        return BACKEND_NAME
+
+
+def _only_bytescale(caller_frame) -> bool:
+    """True when the group being created maps every device to bytescale (not "cpu:gloo,cuda:bytescale").
+
+    torch.distributed's creator API does not pass the backend string, so this reads the caller's
+    ``backend_config`` (torch's ``_new_process_group_helper``); anything unexpected answers False.
+    """
+    try:
+        mapping = caller_frame.f_locals["backend_config"].get_device_backend_map()
+        return bool(mapping) and all(str(v) == BACKEND_NAME for v in mapping.values())
+    except Exception:  # noqa: BLE001 - another torch version: keep c10d's own ProcessGroup
+        return False
+
+
+def _named(backend, dist_opts, caller_frame):
+    """``backend`` as torch expects it: inside a process group named "bytescale" when the group is
+    bytescale's alone (torch then uses the returned ProcessGroup as the group)."""
+    if not _only_bytescale(caller_frame):
+        return backend
+    c10d = dist.distributed_c10d
+    if dist.get_debug_level() == dist.DebugLevel.DETAIL and dist.is_gloo_available():
+        # What torch does for a backend it wraps itself (TORCH_DISTRIBUTED_DEBUG=DETAIL): the
+        # ProcessGroupWrapper's cross-rank desync checks (op, shapes, sequence numbers).
+        backend = c10d._create_process_group_wrapper(
+            wrapped_pg=backend,
+            store_prefix=str(dist_opts.group_id),
+            store=dist_opts.store,
+            rank=dist_opts.group_rank,
+            world_size=dist_opts.group_size,
+            timeout=_as_timedelta(dist_opts.timeout),
+        )
+    torch_pg = getattr(dist_opts, "process_group", None)
+    return _NamedProcessGroup(backend, getattr(torch_pg, "bound_device_id", None))
+
+
 def _create_backend(dist_opts, pg_options):
     """Creator called by torch.distributed (extended API) for every group using "bytescale"."""
     global _world_backend
+    caller = sys._getframe(1)
     store = dist_opts.store
     rank, size = dist_opts.group_rank, dist_opts.group_size
     timeout = _as_timedelta(dist_opts.timeout)
@@ -77,7 +132,8 @@ def _create_backend(dist_opts, pg_options):
         if global_ranks and _world_backend is not None:
             # A subgroup (dist.new_group / DeviceMesh): a dynamic group on the world communicator.
             world = dist.get_world_size()
-            return _C.comm.DynamicGroupBackend(global_ranks, world, dist.get_rank(), timeout=timeout)
+            backend = _C.comm.DynamicGroupBackend(global_ranks, world, dist.get_rank(), timeout=timeout)
+            return _named(backend, dist_opts, caller)
         if global_ranks and len(global_ranks) != size:
             raise RuntimeError(
                 "bytescale: a subgroup was created with the bytescale backend while the default "
@@ -87,7 +143,7 @@ def _create_backend(dist_opts, pg_options):
         backend = _C.comm.BytescaleBackend(store, rank, size, timeout, gloo)
         _world_backend = backend
         _group_cache.clear()
-        return backend
+        return _named(backend, dist_opts, caller)
 
 
 def _register() -> None:
@@ -133,6 +189,9 @@ class DynamicGroup(ProcessGroup):
         w = dist.distributed_c10d._world
         w.pg_group_ranks[self] = {g: i for i, g in enumerate(self._ranks)}
         w.pg_map[self] = (BACKEND_NAME, w.pg_map[dist.distributed_c10d._get_default_group()][1])
+
+    def getBackendName(self) -> str:  # noqa: N802 - the C++ virtual's name (PyProcessGroup)
+        return BACKEND_NAME
 
     @property
     def ranks(self) -> tuple[int, ...]:

@@ -8,6 +8,7 @@
 #include "comm/backend.h"
 #include "comm/dynamic_group.h"
 #include "comm/consistency.h"
+#include "comm/device_backends.h"
 #include "comm/schedule.h"
 
 namespace py = pybind11;
@@ -72,6 +73,13 @@ void bind_comm(py::module_& m) {
         return comm::worldTransport(c10::Device(device).type()) != nullptr;
       },
       py::arg("device"));
+
+  m.def(
+      "has_device_backend",
+      [](const std::string& device) { return comm::hasDeviceBackend(c10::Device(device).type()); },
+      py::arg("device"),
+      "True when a communication plug-in registered itself for the device type (cuda: the NCCL "
+      "backend of CUDA builds).");
 
   m.def("collective_checks_enabled", &comm::checksEnabled);
   m.def("set_collective_checks", &comm::setChecksEnabled, py::arg("enabled"),

@@ -157,6 +157,11 @@ void BytescaleBackend::checkOpen(const std::string& what) const {
                    ": the backend has been shut down");
 }
 
+c10::intrusive_ptr<c10d::Work> BytescaleBackend::postRecvAnysource(const at::Tensor& tensor,
+                                                                   int tag, WorkInfo info) {
+  return cpu_->postRecvAnysource(tensor, tag, std::move(info));
+}
+
 std::shared_ptr<Transport> BytescaleBackend::transport(c10::DeviceType device) const {
   if (device == c10::DeviceType::CPU) return cpu_;
   auto it = plugins_.find(device);

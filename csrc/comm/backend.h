@@ -43,6 +43,8 @@ class BytescaleBackend final : public CollectiveBackend {
 
  protected:
   void checkOpen(const std::string& what) const override;
+  c10::intrusive_ptr<c10d::Work> postRecvAnysource(const at::Tensor& tensor, int tag,
+                                                   WorkInfo info) override;
 
  private:
   // The plug-in of a non-CPU device type (raises naming what is missing).

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <sstream>
 
+#include "comm/special_ops.h"
+
 namespace bytescale {
 namespace comm {
 
@@ -31,7 +33,7 @@ void checkLists(const std::vector<std::vector<at::Tensor>>& lists, size_t want_l
               " for ", want_lists, " ", of);
   for (const auto& l : lists)
     TORCH_CHECK(static_cast<int>(l.size()) == n, "bytescale ", what, ": a list of ", lists_name,
-                " has ", l.size(), " tensors for a group of ", n);
+                " has ", l.size(), " tensors, expected ", n);
 }
 
 Collective make(CollectiveKind kind, c10d::OpType type, const char* name) {
@@ -111,6 +113,7 @@ c10::intrusive_ptr<c10d::Work> CollectiveBackend::submit(Collective c,
   if (c.kind != CollectiveKind::kBarrier) c.device = commonDevice({&c.inputs, &c.outputs}, c.what);
   c.timeout = op_timeout > std::chrono::milliseconds(0) ? op_timeout : timeout_;
   validate(c, *group_);
+  seq_.fetch_add(1);
   auto work = execute(std::move(c));
   std::lock_guard<std::mutex> g(coalesce_mu_);
   if (coalescer_.active()) coalescer_.addCollective(work);
@@ -127,6 +130,8 @@ c10::intrusive_ptr<c10d::Work> CollectiveBackend::broadcast(std::vector<at::Tens
 
 c10::intrusive_ptr<c10d::Work> CollectiveBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                             const c10d::AllreduceOptions& opts) {
+  for (const auto& t : tensors)
+    if (t.defined() && t.is_sparse()) return allreduce_sparse(tensors, opts);
   auto c = make(CollectiveKind::kAllReduce, c10d::OpType::ALLREDUCE, "all_reduce");
   c.inputs = c.outputs = tensors;
   c.op = opts.reduceOp;
@@ -167,9 +172,14 @@ c10::intrusive_ptr<c10d::Work> CollectiveBackend::allgather_coalesced(
     const c10d::AllgatherOptions& opts) {
   auto c = make(CollectiveKind::kAllGather, c10d::OpType::ALLGATHER_COALESCED,
                 "all_gather_coalesced");
-  checkLists(outputs, inputs.size(), getSize(), "output lists", "inputs", opName(c.name));
+  // c10d's layout (Gloo's): outputs[j][k] receives group rank j's inputs[k].
+  checkLists(outputs, getSize(), static_cast<int>(inputs.size()), "output lists", "ranks",
+             opName(c.name));
   c.inputs = inputs;
-  c.outputs = flatten(outputs);
+  const size_t n = outputs.size();
+  c.outputs.resize(inputs.size() * n);
+  for (size_t j = 0; j < n; ++j)
+    for (size_t k = 0; k < inputs.size(); ++k) c.outputs[k * n + j] = outputs[j][k];
   c.coalesced = true;
   return submit(std::move(c), opts.timeout);
 }
@@ -282,6 +292,48 @@ c10::intrusive_ptr<c10d::Work> CollectiveBackend::barrier(const c10d::BarrierOpt
   return submit(std::move(c), opts.timeout);
 }
 
+c10::intrusive_ptr<c10d::Work> CollectiveBackend::allreduce_sparse(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+  const std::string what = opName("all_reduce of sparse tensors");
+  checkOpen(what);
+  group_->requireMember(what);
+  TORCH_CHECK(!tensors.empty(), "bytescale ", what, ": no tensors given");
+  for (const auto& t : tensors) {
+    TORCH_CHECK(t.defined() && t.layout() == c10::kSparse, "bytescale ", what,
+                ": every tensor must be a sparse COO tensor (sparse and dense tensors mixed)");
+    TORCH_CHECK(t.device().is_cpu(), "bytescale ", what, ": sparse tensors must be on the CPU, got ",
+                t.device());
+    TORCH_CHECK(t.sizes() == tensors[0].sizes() && t.scalar_type() == tensors[0].scalar_type(),
+                "bytescale ", what, ": the tensors differ in sizes or dtype");
+  }
+  TORCH_CHECK(opts.reduceOp.op_ == c10d::ReduceOp::SUM, "bytescale ", what,
+              ": only ReduceOp.SUM is supported for sparse tensors (as in Gloo)");
+  seq_.fetch_add(1);
+  auto tr = p2pTransport(c10::DeviceType::CPU, what);
+  WorkInfo inf = info(c10d::OpType::ALLREDUCE, what);
+  if (opts.timeout > std::chrono::milliseconds(0)) inf.timeout = opts.timeout;
+  auto group = group_;
+  std::vector<at::Tensor> ts = tensors;
+  Transport* raw = tr.get();
+  auto work = raw->run(std::move(inf), ts, [tr, group, ts, what] {
+    special_ops::sparseAllReduce(*tr, *group, ts, what);
+  });
+  std::lock_guard<std::mutex> g(coalesce_mu_);
+  if (coalescer_.active()) coalescer_.addCollective(work);
+  return work;
+}
+
+void CollectiveBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  const std::string what = opName("monitored_barrier");
+  checkOpen(what);
+  group_->requireMember(what);
+  // c10d passes kUnsetTimeout (-1 ms) when the caller gave none; 0 is a valid (expired) timeout.
+  const auto timeout = opts.timeout < std::chrono::milliseconds(0) ? timeout_ : opts.timeout;
+  auto tr = p2pTransport(c10::DeviceType::CPU, what);
+  special_ops::monitoredBarrier(*tr, *group_, timeout, wait_all_ranks, monitored_seq_.fetch_add(1),
+                                what);
+}
+
 // ---- point-to-point -------------------------------------------------------------------------
 
 c10::intrusive_ptr<c10d::Work> CollectiveBackend::postP2P(c10::DeviceType device,
@@ -324,6 +376,32 @@ c10::intrusive_ptr<c10d::Work> CollectiveBackend::send(std::vector<at::Tensor>& 
 c10::intrusive_ptr<c10d::Work> CollectiveBackend::recv(std::vector<at::Tensor>& tensors,
                                                        int src_rank, int tag) {
   return p2p(P2POp::kRecv, tensors, src_rank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> CollectiveBackend::recvAnysource(std::vector<at::Tensor>& tensors,
+                                                                int tag) {
+  const std::string what = opName("recv from any source");
+  checkOpen(what);
+  group_->requireMember(what);
+  TORCH_CHECK(tensors.size() == 1, "bytescale ", what, ": expects exactly one tensor, got ",
+              tensors.size());
+  auto device = commonDevice({&tensors}, what);
+  TORCH_CHECK(device == c10::DeviceType::CPU, "bytescale ", what,
+              ": needs a CPU tensor (NCCL has no receive from any source); name the source rank");
+  TORCH_CHECK(tensors[0].is_contiguous(), "bytescale ", what, ": the tensor must be contiguous");
+  {
+    std::lock_guard<std::mutex> g(coalesce_mu_);
+    TORCH_CHECK(!coalescer_.active(), "bytescale ", what,
+                ": not supported inside a coalescing block (batch_isend_irecv); name the source");
+  }
+  return postRecvAnysource(tensors[0], tag, info(c10d::OpType::RECVANYSOURCE, what));
+}
+
+c10::intrusive_ptr<c10d::Work> CollectiveBackend::postRecvAnysource(const at::Tensor&, int,
+                                                                    WorkInfo info) {
+  TORCH_CHECK(false, "bytescale ", info.what,
+              ": supported on the world group only (dynamic groups match messages by a per-pair "
+              "sequence); name the source rank, or receive on the world group");
 }
 
 void CollectiveBackend::startCoalescing() {

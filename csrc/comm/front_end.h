@@ -11,6 +11,7 @@
 //   the NCCL plug-in (csrc/cuda/comm/)     NCCL calls on the world communicator.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -76,6 +77,9 @@ class CollectiveBackend : public c10d::Backend {
                                            const c10d::BroadcastOptions& opts) final;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) final;
+  // Sparse COO CPU tensors (also reached through allreduce()): SUM only, as in Gloo.
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) final;
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) final;
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
@@ -113,10 +117,20 @@ class CollectiveBackend : public c10d::Backend {
                                           std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions& opts) final;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) final;
+  // special_ops::monitoredBarrier on the CPU transport; opts.timeout unset: the group's timeout.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) final;
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank,
                                       int tag) final;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank,
                                       int tag) final;
+  // A receive from whichever member sends with `tag` first; the Work's sourceRank() names it.
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) final;
+
+  // Sequence numbers (ProcessGroupWrapper's desync check under TORCH_DISTRIBUTED_DEBUG=DETAIL):
+  // the number of collectives this member issued on the group, so members agree while they issue
+  // the same collectives. They start at 0 on every rank; the setter has nothing to agree on.
+  void setSequenceNumberForGroup() final {}
+  uint64_t getSequenceNumberForGroup() final { return seq_.load(); }
 
   bool supportsCoalescing() const final { return true; }
   void startCoalescing() final;
@@ -132,6 +146,9 @@ class CollectiveBackend : public c10d::Backend {
   std::string opName(const char* name) const { return std::string(name) + " on " + group_name_; }
   WorkInfo info(c10d::OpType type, std::string what, std::vector<int> peers = {}) const;
   WorkInfo info(const Collective& c) const;  // every other member is a peer; c.timeout
+  // Posts a receive from any member (recvAnysource validated it). Default: unsupported.
+  virtual c10::intrusive_ptr<c10d::Work> postRecvAnysource(const at::Tensor& tensor, int tag,
+                                                           WorkInfo info);
   // Launches P2P ops (global peers) now, as one Work.
   c10::intrusive_ptr<c10d::Work> postP2P(c10::DeviceType device, const std::vector<P2POp>& ops,
                                          WorkInfo info);
@@ -146,6 +163,8 @@ class CollectiveBackend : public c10d::Backend {
   std::chrono::milliseconds timeout_;
   std::mutex coalesce_mu_;
   P2PCoalescer coalescer_;
+  std::atomic<uint64_t> seq_{0};            // collectives issued (getSequenceNumberForGroup)
+  std::atomic<uint64_t> monitored_seq_{0};  // monitored barriers issued (their message tags)
 };
 
 }  // namespace comm

@@ -44,7 +44,8 @@ struct ExchangeState {
     size_t first = done.load();
     for (size_t i = first; i < items.size(); ++i)
       os << (i > first ? ", " : "") << (items[i].kind == P2POp::kSend ? "send to" : "receive from")
-         << " rank " << items[i].peer << " (" << items[i].bytes << " bytes)";
+         << (items[i].peer < 0 ? std::string(" any rank") : " rank " + std::to_string(items[i].peer))
+         << " (" << items[i].bytes << " bytes)";
     return first >= items.size() ? std::string("nothing (the transfers are done)") : os.str();
   }
 };
@@ -145,7 +146,8 @@ class GlooExchange final : public PendingExchange {
       if (!failure.empty() && msg.empty()) {
         std::ostringstream os;
         os << "bytescale " << what_ << ": " << (it.kind == P2POp::kSend ? "send to" : "receive from")
-           << " rank " << it.peer << " (" << it.bytes << " bytes) failed: " << failure;
+           << (it.peer < 0 ? std::string(" any rank") : " rank " + std::to_string(it.peer)) << " ("
+           << it.bytes << " bytes) failed: " << failure;
         msg = os.str();
       }
       if (failure.empty()) state_->done.store(i + 1);
@@ -279,6 +281,42 @@ c10::intrusive_ptr<c10d::Work> GlooTransport::post(const std::vector<P2POp>& ops
   });
   if (!queued) {
     // Shut down: the transfers were aborted at registration; their wait returns at once.
+    try {
+      ex->wait();
+    } catch (...) {
+    }
+    TORCH_CHECK_WITH(DistBackendError, false, "bytescale ", what,
+                     ": the backend has been shut down");
+  }
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> GlooTransport::postRecvAnysource(const at::Tensor& tensor, int tag,
+                                                                WorkInfo info) {
+  const std::string what = info.what;
+  TORCH_CHECK(tensor.defined() && tensor.device().is_cpu() && tensor.is_contiguous(), "bytescale ",
+              what, ": the CPU transport needs a defined, contiguous CPU tensor");
+  auto work = c10::make_intrusive<AnySourceWork>(rank_, std::move(info),
+                                                 std::vector<at::Tensor>{tensor});
+  std::vector<at::Tensor> ts{tensor};
+  c10::intrusive_ptr<c10d::Work> native = gloo_->recvAnysource(ts, tag);
+  auto state = std::make_shared<ExchangeState>();
+  state->items.push_back(
+      {P2POp::kRecv, -1, static_cast<int64_t>(tensor.numel() * tensor.element_size())});
+  std::shared_ptr<PendingExchange> ex = std::make_shared<GlooExchange>(
+      std::vector<c10::intrusive_ptr<c10d::Work>>{native}, state, what, live_, nullptr);
+  work->setStallReporter([state] { return "waiting for " + state->pending(); });
+  bool queued = waiters_.push([work, ex, native](bool) {
+    std::exception_ptr error;
+    try {
+      ex->wait();
+      work->setSource(native->sourceRank());
+    } catch (...) {
+      error = std::current_exception();
+    }
+    work->complete(error);
+  });
+  if (!queued) {
     try {
       ex->wait();
     } catch (...) {

@@ -37,6 +37,11 @@ class GlooTransport final : public Transport {
   c10::intrusive_ptr<c10d::Work> run(WorkInfo info, std::vector<at::Tensor> outputs,
                                      std::function<void()> body) override;
 
+  // A receive from any rank with the user tag `tag` (Gloo's recvAnysource); the returned
+  // AnySourceWork completes (is_completed() turns true by itself) and names the sender.
+  c10::intrusive_ptr<c10d::Work> postRecvAnysource(const at::Tensor& tensor, int tag,
+                                                   WorkInfo info);
+
   // Marks the worker as waiting inside a Gloo-native operation (for the timeout error of the Work
   // it runs); the world backend calls it around its Gloo collectives. Cleared by the next task.
   void noteNativeWait(const std::string& what);

@@ -58,38 +58,39 @@ TaskQueue::TaskQueue(size_t max_threads) : st_(std::make_shared<State>()) {
 TaskQueue::~TaskQueue() { close(true); }
 
 bool TaskQueue::push(Task task) {
-  {
-    std::lock_guard<std::mutex> g(st_->mu);
-    if (st_->closed) return false;
-    st_->tasks.push_back(std::move(task));
-    if (st_->tasks.size() > st_->idle && st_->threads.size() < st_->max_threads) {
-      try {
-        auto st = st_;
-        st_->threads.emplace_back([st] { serve(st); });
-      } catch (const std::system_error& e) {
-        if (st_->threads.empty()) {
-          st_->tasks.pop_back();
-          throw std::runtime_error(std::string("bytescale: cannot start a thread: ") + e.what());
-        }
-        // Enough threads exist to make progress; the task waits for one of them.
+  // A local reference: the task may start at once and drop the last reference to this queue's
+  // owner (and so to `this`) before push() returns.
+  std::shared_ptr<State> st = st_;
+  std::lock_guard<std::mutex> g(st->mu);
+  if (st->closed) return false;
+  st->tasks.push_back(std::move(task));
+  if (st->tasks.size() > st->idle && st->threads.size() < st->max_threads) {
+    try {
+      st->threads.emplace_back([st] { serve(st); });
+    } catch (const std::system_error& e) {
+      if (st->threads.empty()) {
+        st->tasks.pop_back();
+        throw std::runtime_error(std::string("bytescale: cannot start a thread: ") + e.what());
       }
+      // Enough threads exist to make progress; the task waits for one of them.
     }
   }
-  st_->cv.notify_one();
+  st->cv.notify_one();
   return true;
 }
 
 void TaskQueue::close(bool cancel_pending) {
+  std::shared_ptr<State> st = st_;  // see push()
   std::vector<std::thread> threads;
   {
-    std::lock_guard<std::mutex> g(st_->mu);
-    if (!st_->closed) {
-      st_->closed = true;
-      st_->cancel = cancel_pending;
+    std::lock_guard<std::mutex> g(st->mu);
+    if (!st->closed) {
+      st->closed = true;
+      st->cancel = cancel_pending;
     }
-    threads.swap(st_->threads);
+    threads.swap(st->threads);
+    st->cv.notify_all();
   }
-  st_->cv.notify_all();
   for (auto& t : threads) {
     if (t.get_id() == std::this_thread::get_id())
       t.detach();  // closing from a task: this thread exits by itself after the task

@@ -99,9 +99,10 @@ void Work::throwTimeout(std::chrono::milliseconds limit, bool explicit_timeout) 
     stall = defaultStall(info_, rank_);
   }
   std::ostringstream os;
-  os << "bytescale " << info_.what << ": not complete after " << limit.count() << " ms ("
+  os << "bytescale " << info_.what << ": Timed out after " << limit.count() << " ms ("
      << (explicit_timeout ? "the timeout passed to wait()" : "the process group's timeout")
-     << "); " << stall << ". The operation is still pending and keeps its tensors.";
+     << ") and not complete; " << stall
+     << ". The operation is still pending and keeps its tensors.";
   TORCH_CHECK_WITH(DistBackendError, false, os.str());
 }
 
@@ -154,6 +155,15 @@ c10::intrusive_ptr<c10::ivalue::Future> CoalescedOpWork::getFuture() {
   auto outputs = outputs_;
   return b->getFuture()->then([outputs](c10::ivalue::Future&) { return c10::IValue(outputs); },
                               c10::ListType::create(c10::TensorType::get()));
+}
+
+// ---- AnySourceWork ----------------------------------------------------------------------------
+
+int AnySourceWork::sourceRank() const {
+  const int r = source_.load();
+  TORCH_CHECK(r >= 0, "bytescale ", info_.what,
+              ": the source rank is known once the receive completed (wait() first)");
+  return r;
 }
 
 // ---- WorkList ---------------------------------------------------------------------------------

@@ -11,6 +11,7 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -76,6 +77,18 @@ class CoalescedOpWork final : public Work {
  private:
   c10::intrusive_ptr<c10d::Work> batch() const;
   c10::intrusive_ptr<c10d::Work> batch_;  // guarded by mutex_
+};
+
+// The Work of a receive from any source: sourceRank() names the rank whose message arrived (the
+// sender's group rank; on the world group its global rank), once the Work completed.
+class AnySourceWork final : public Work {
+ public:
+  using Work::Work;
+  int sourceRank() const override;
+  void setSource(int rank) { source_.store(rank); }
+
+ private:
+  std::atomic<int> source_{-1};
 };
 
 // Several Works as one (the Work endCoalescing returns when collectives were issued inside the

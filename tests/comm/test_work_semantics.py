@@ -19,6 +19,12 @@ import bytescale
 from dist_utils import run_distributed
 
 
+def test_cuda_plugin_registers_itself_in_cuda_builds():
+    # csrc/cuda/comm registers the NCCL backend when the extension loads; csrc/comm knows no CUDA.
+    assert bytescale._C.comm.has_device_backend("cuda") == bytescale._C.with_cuda
+    assert not bytescale._C.comm.has_device_backend("cpu")
+
+
 def _store():
     return dist.distributed_c10d._get_default_store()
 

@@ -119,12 +119,16 @@ TEST(TaskQueue, CloseCancelsPendingTasks) {
   std::condition_variable cv;
   bool go = false;
   std::atomic<int> ran{0}, cancelled{0};
+  std::atomic<bool> started{false};
   q.push([&](bool c) {
+    started = true;
     std::unique_lock<std::mutex> lk(mu);
     cv.wait(lk, [&] { return go; });
     c ? ++cancelled : ++ran;
   });
   for (int i = 0; i < 5; ++i) q.push([&](bool c) { c ? ++cancelled : ++ran; });
+  // Close only once the first task runs (on a loaded machine the thread may start late).
+  while (!started.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   std::thread closer([&] { q.close(/*cancel_pending=*/true); });
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   {
@@ -156,6 +160,30 @@ TEST(TaskQueue, OwnerDestroyedFromItsOwnTask) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   EXPECT_TRUE(done.load());
   EXPECT_TRUE(weak.expired());
+}
+
+TEST(TaskQueue, OwnerDestroyedWhilePushIsReturning) {
+  // An idle thread may run the task (and destroy the owner, so the queue) before push() returns:
+  // push() must not touch the queue object after queueing (run under ASan to see a violation).
+  struct Owner {
+    TaskQueue q{2};
+  };
+  for (int i = 0; i < 300; ++i) {
+    auto owner = std::make_shared<Owner>();
+    std::weak_ptr<Owner> weak = owner;
+    auto* raw = owner.get();
+    raw->q.push([](bool) {});  // starts a thread that then idles
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+    std::atomic<bool> done{false};
+    raw->q.push([keep = std::move(owner), &done](bool) mutable {
+      keep.reset();
+      done = true;
+    });
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while ((!done.load() || !weak.expired()) && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    ASSERT_TRUE(done.load() && weak.expired()) << "iteration " << i;
+  }
 }
 
 TEST(TaskQueue, EscapingExceptionDoesNotEndTheThread) {

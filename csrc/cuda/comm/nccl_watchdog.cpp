@@ -100,13 +100,14 @@ void NcclWatchdog::track(c10::intrusive_ptr<NcclWork> work) {
 }
 
 void NcclWatchdog::stop() {
+  std::shared_ptr<State> st = st_;
   std::thread t;
   {
-    std::lock_guard<std::mutex> g(st_->mu);
-    st_->stop = true;
-    t.swap(st_->thread);
+    std::lock_guard<std::mutex> g(st->mu);
+    st->stop = true;
+    t.swap(st->thread);
+    st->cv.notify_all();
   }
-  st_->cv.notify_all();
   if (!t.joinable()) return;
   if (t.get_id() == std::this_thread::get_id())
     t.detach();
