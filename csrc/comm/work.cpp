@@ -264,9 +264,13 @@ std::exception_ptr describeFailure(std::exception_ptr error, const std::string& 
         c10::DistBackendError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                               "bytescale " + what + " failed: " + e.msg()));
   } catch (const std::exception& e) {
+    // bytescale's own errors keep their type; a transport's (Gloo's IoException, a lost peer) is a
+    // DistBackendError like every other communication failure, whoever ran the collective.
     std::string msg = e.what();
-    if (msg.rfind("bytescale", 0) != 0) msg = "bytescale " + what + " failed: " + msg;
-    return std::make_exception_ptr(std::runtime_error(msg));
+    if (msg.rfind("bytescale", 0) == 0) return error;
+    return std::make_exception_ptr(
+        c10::DistBackendError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                              "bytescale " + what + " failed: " + msg));
   } catch (...) {
     return error;
   }
