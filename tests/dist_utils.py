@@ -88,3 +88,13 @@ def run_distributed(
             # A rank that deliberately exited early (os._exit(0)) leaves no result: None.
             results.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
         return results
+
+
+def capture_error(fn: Callable[[], Any]):
+    """Run ``fn``; return (exception type name or None, message, seconds taken)."""
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the error is the result under test
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return None, "no error", time.monotonic() - t0

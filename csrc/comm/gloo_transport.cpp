@@ -258,22 +258,15 @@ std::unique_ptr<PendingExchange> GlooTransport::exchange(const std::vector<P2POp
                                         worker_.onQueueThread() ? status_ : nullptr);
 }
 
-c10::intrusive_ptr<c10d::Work> GlooTransport::post(const std::vector<P2POp>& ops, WorkInfo info) {
-  std::vector<at::Tensor> tensors;
-  for (const auto& op : ops) tensors.push_back(op.tensor);
-  const std::string what = info.what;
-  auto work = c10::make_intrusive<Work>(rank_, std::move(info), std::move(tensors));
-  std::shared_ptr<PendingExchange> ex = exchange(ops, what);
-  auto state = static_cast<GlooExchange*>(ex.get())->state();
-  if (state->items.empty()) {
-    work->complete();
-    return work;
-  }
-  work->setStallReporter([state] { return "waiting for " + state->pending(); });
-  bool queued = waiters_.push([work, ex](bool) {
+// Completes `work` when `ex`'s transfers finish (on a waiter thread), after `on_done` has run.
+void GlooTransport::completeWhenDone(const c10::intrusive_ptr<Work>& work,
+                                     std::shared_ptr<PendingExchange> ex, const std::string& what,
+                                     std::function<void()> on_done) {
+  bool queued = waiters_.push([work, ex, on_done = std::move(on_done)](bool) {
     std::exception_ptr error;
     try {
       ex->wait();
+      if (on_done) on_done();
     } catch (...) {
       error = std::current_exception();
     }
@@ -288,6 +281,21 @@ c10::intrusive_ptr<c10d::Work> GlooTransport::post(const std::vector<P2POp>& ops
     TORCH_CHECK_WITH(DistBackendError, false, "bytescale ", what,
                      ": the backend has been shut down");
   }
+}
+
+c10::intrusive_ptr<c10d::Work> GlooTransport::post(const std::vector<P2POp>& ops, WorkInfo info) {
+  std::vector<at::Tensor> tensors;
+  for (const auto& op : ops) tensors.push_back(op.tensor);
+  const std::string what = info.what;
+  auto work = c10::make_intrusive<Work>(rank_, std::move(info), std::move(tensors));
+  std::shared_ptr<PendingExchange> ex = exchange(ops, what);
+  auto state = static_cast<GlooExchange*>(ex.get())->state();
+  if (state->items.empty()) {
+    work->complete();
+    return work;
+  }
+  work->setStallReporter([state] { return "waiting for " + state->pending(); });
+  completeWhenDone(work, std::move(ex), what, nullptr);
   return work;
 }
 
@@ -306,24 +314,8 @@ c10::intrusive_ptr<c10d::Work> GlooTransport::postRecvAnysource(const at::Tensor
   std::shared_ptr<PendingExchange> ex = std::make_shared<GlooExchange>(
       std::vector<c10::intrusive_ptr<c10d::Work>>{native}, state, what, live_, nullptr);
   work->setStallReporter([state] { return "waiting for " + state->pending(); });
-  bool queued = waiters_.push([work, ex, native](bool) {
-    std::exception_ptr error;
-    try {
-      ex->wait();
-      work->setSource(native->sourceRank());
-    } catch (...) {
-      error = std::current_exception();
-    }
-    work->complete(error);
-  });
-  if (!queued) {
-    try {
-      ex->wait();
-    } catch (...) {
-    }
-    TORCH_CHECK_WITH(DistBackendError, false, "bytescale ", what,
-                     ": the backend has been shut down");
-  }
+  completeWhenDone(work, std::move(ex), what,
+                   [work, native] { work->setSource(native->sourceRank()); });
   return work;
 }
 

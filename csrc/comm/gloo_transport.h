@@ -6,6 +6,7 @@
 #pragma once
 
 #include <memory>
+#include <functional>
 #include <mutex>
 #include <vector>
 
@@ -13,6 +14,7 @@
 
 #include "comm/task_queue.h"
 #include "comm/transport.h"
+#include "comm/work.h"
 
 namespace bytescale {
 namespace comm {
@@ -57,6 +59,11 @@ class GlooTransport final : public Transport {
   // threads), and the counter is the tag: messages pair up by issue order, and the two channels
   // never steal each other's messages.
   int nextTag(int peer, bool send);
+
+  // Completes `work` when `ex`'s transfers finish (on a waiter thread), after `on_done` has run;
+  // raises DistBackendError naming `what` when the transport has been shut down.
+  void completeWhenDone(const c10::intrusive_ptr<Work>& work, std::shared_ptr<PendingExchange> ex,
+                        const std::string& what, std::function<void()> on_done);
 
   c10::intrusive_ptr<c10d::Backend> gloo_;
   int rank_;

@@ -8,16 +8,7 @@ import torch
 import torch.distributed as dist
 
 import bytescale
-from dist_utils import run_distributed
-
-
-def _capture(fn):
-    t0 = time.monotonic()
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the error is the result under test
-        return type(e).__name__, str(e), time.monotonic() - t0
-    return None, "no error", time.monotonic() - t0
+from dist_utils import capture_error as _capture, run_distributed
 
 
 def _mismatches(rank: int, world: int):

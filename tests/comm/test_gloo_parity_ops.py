@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import bytescale
-from dist_utils import run_distributed
+from dist_utils import capture_error as _capture, run_distributed
 
 
 def _sparse(rank: int, seed: int) -> torch.Tensor:
@@ -114,15 +114,6 @@ def _monitored_failures(rank: int, world: int):
     if rank == 2:
         out["group"] = _capture(lambda: dist.monitored_barrier(g, timeout=t))
     return out
-
-
-def _capture(fn):
-    t0 = time.monotonic()
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the error is the result under test
-        return type(e).__name__, str(e), time.monotonic() - t0
-    return None, "no error", time.monotonic() - t0
 
 
 def test_monitored_barrier_names_the_ranks_that_did_not_arrive():
