@@ -371,6 +371,7 @@ class Trainer:
                    "tokens_per_s": step.global_tokens / step_time,
                    "mfu": flops / (step_time * self.world * self.peak),
                    "data_wait_s": float(t[:, 3].max()),
+                   "compute_s": float(t[:, 2].max()),  # the micro-batch loop (fwd+bwd+grad sync) of the slowest rank
                    "imbalance": float(t[:, 2].max() / max(float(t[:, 2].mean()), 1e-12)),
                    "micro_batches": [int(x) for x in t[:, 5].tolist()],
                    "ring_sizes": sorted(step.plan.ring_sizes().values(), reverse=True)[:8]}
