@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <map>
 #include <sstream>
 
 #include "comm/checks.h"
@@ -100,10 +101,20 @@ void monitoredBarrier(Transport& tr, const RankMap& g, milliseconds timeout, boo
     if (wait_all_ranks) return timeout;  // each rank gets the whole timeout
     return timeout - std::chrono::duration_cast<milliseconds>(Clock::now() - start);
   };
+  // A member whose connection is already gone fails at posting: its Work is null and its error
+  // is kept, so it is reported like one that did not answer.
+  std::map<int, std::string> post_errors;
+  auto tryPost = [&](int rank, P2POp::Kind kind, at::Tensor t, int tag) {
+    try {
+      return post(tr, kind, rank, std::move(t), tag, what, group_timeout);
+    } catch (const std::exception& e) {
+      post_errors[rank] = errorText(e);
+      return c10::intrusive_ptr<c10d::Work>();
+    }
+  };
   std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> arrivals;
   for (int j = 1; j < n; ++j)
-    arrivals.emplace_back(g.globalRank(j), post(tr, P2POp::kRecv, g.globalRank(j), token(), arrive,
-                                                what, group_timeout));
+    arrivals.emplace_back(g.globalRank(j), tryPost(g.globalRank(j), P2POp::kRecv, token(), arrive));
 
   // The answer every other member waits for: its own rank (>= 0) to pass, -(r + 1) when rank r
   // did not arrive in time. Failing, the first member tells the others at once (they raise naming
@@ -111,9 +122,8 @@ void monitoredBarrier(Transport& tr, const RankMap& g, milliseconds timeout, boo
   auto answerAll = [&](int64_t value) {
     std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> works;
     for (int j = 1; j < n; ++j)
-      works.emplace_back(g.globalRank(j),
-                         post(tr, P2POp::kSend, g.globalRank(j), at::full({1}, value, at::kLong),
-                              release, what, group_timeout));
+      works.emplace_back(g.globalRank(j), tryPost(g.globalRank(j), P2POp::kSend,
+                                                  at::full({1}, value, at::kLong), release));
     return works;
   };
   auto failWith = [&](int first_failed, const std::string& msg) {
@@ -134,18 +144,25 @@ void monitoredBarrier(Transport& tr, const RankMap& g, milliseconds timeout, boo
            << (ok.empty() ? std::string("none") : joinRanks(ok)) << ")";
         failWith(notify ? rank : -1, os.str());
       }
-      try {
-        work->wait(std::max(left, milliseconds(1)));  // wait(0) would mean "the group's timeout"
-        ok.push_back(rank);
-      } catch (const std::exception& e) {
-        if (!wait_all_ranks) {
-          std::ostringstream os;
-          os << "bytescale " << what << ": Rank " << rank << " failed to pass monitoredBarrier in "
-             << timeout.count() << " ms. Original error: " << errorText(e);
-          failWith(notify ? rank : -1, os.str());
+      std::string error;
+      if (!work) {
+        error = post_errors[rank];
+      } else {
+        try {
+          work->wait(std::max(left, milliseconds(1)));  // wait(0) would mean "the group's timeout"
+          ok.push_back(rank);
+          continue;
+        } catch (const std::exception& e) {
+          error = errorText(e);
         }
-        failed.push_back(rank);
       }
+      if (!wait_all_ranks) {
+        std::ostringstream os;
+        os << "bytescale " << what << ": Rank " << rank << " failed to pass monitoredBarrier in "
+           << timeout.count() << " ms. Original error: " << error;
+        failWith(notify ? rank : -1, os.str());
+      }
+      failed.push_back(rank);
     }
     if (!failed.empty()) {
       std::ostringstream os;
