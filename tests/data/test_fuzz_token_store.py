@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bytescale.data.token_store import TokenStore, TokenStoreWriter, write_index
+from fuzz_utils import flip_bits
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
@@ -106,10 +107,7 @@ def test_random_files(idx, bin_):
 @FUZZ
 @given(st.lists(st.integers(0, len(_IDX) * 8 - 1), min_size=1, max_size=4))
 def test_index_bit_flips(bits):
-    data = bytearray(_IDX)
-    for b in bits:
-        data[b // 8] ^= 1 << (b % 8)
-    _open(bytes(data), _BIN)
+    _open(flip_bits(_IDX, bits), _BIN)
 
 
 @FUZZ

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import bytescale
 from bytescale.planner import CostModel, MicroBatchPlan, Plan, load_cost_model
+from fuzz_utils import flip_bits
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
@@ -76,10 +77,7 @@ def test_plan_from_every_truncation():
 @FUZZ
 @given(st.lists(st.integers(0, len(_VALID_BYTES) * 8 - 1), min_size=1, max_size=4))
 def test_plan_with_bit_flips(bits):
-    data = bytearray(_VALID_BYTES)
-    for b in bits:
-        data[b // 8] ^= 1 << (b % 8)
-    _plan_from(bytes(data))
+    _plan_from(flip_bits(_VALID_BYTES, bits))
 
 
 @FUZZ
@@ -115,10 +113,7 @@ def test_micro_batch_plan_from_every_truncation():
 @FUZZ
 @given(st.lists(st.integers(0, len(_MB_BYTES) * 8 - 1), min_size=1, max_size=3))
 def test_micro_batch_plan_with_bit_flips(bits):
-    data = bytearray(_MB_BYTES)
-    for b in bits:
-        data[b // 8] ^= 1 << (b % 8)
-    _mb_from(bytes(data))
+    _mb_from(flip_bits(_MB_BYTES, bits))
 
 
 _JSON_VALUES = st.recursive(
