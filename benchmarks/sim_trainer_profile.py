@@ -6,28 +6,30 @@
 
 * :func:`local_profile`: the package's Llama (the trainer's model, built by the trainer's builder)
   wrapped in ``HybridDataParallel`` (a one-rank process group on the bytescale backend), packed
-  micro-batches of several real documents (lengths from the trainer's dataset) under
-  ``Layout.local`` (the varlen kernel), timed as ``Trainer.train_step`` does one micro-batch
+  micro-batches of several real documents (lengths from the trainer's dataset) and single
+  documents longer than the capacity (those the planner shards over rings: without them the
+  s^2 term is not identifiable from short documents) under ``Layout.local`` (on CPU torch's
+  SDPA per document), timed as ``Trainer.train_step`` does one micro-batch
   (forward with ``layout=``, token-level loss, backward, the loss's ``.cpu()``). Least squares
-  (non-negative) of ``T = a1 sum(s^2) + b1 tokens + g``: ``g`` is the trainer's fixed cost per
+  (non-negative, relative errors) of ``T = a1 sum(s^2) + b1 tokens + g``: ``g`` is the trainer's fixed cost per
   micro-batch.
-* :func:`ring_profile`: the CPU ring kernel's per-rank cost, from ``virtual_ring_attention`` (the
-  very block steps a d-rank ring runs, in one process, no communication) forward + backward on the
-  trainer's head shapes, divided by d, fitted as ``ar sum(s^2)/d + cs d + c0``; beside it the
-  varlen kernel on the same documents, ``av sum(s^2) + c0v``. The simulator's ring micro-batch
-  then costs ``ring_a1 = a1 + max(0, ar - av) x attention layers`` per ``s^2/d`` and ``ring_step_s = cs x
-  attention layers`` per block step.
-* :func:`ring_exchange_latency`: the per-ring-step wait with ``n`` processes on this machine's
-  cores: ``n`` processes in a ring (bytescale backend) alternate a fixed compute block with a
-  send to the next / receive from the previous rank; per step, the wall time minus the compute
-  block (timed alone in one process, times the oversubscription max(1, n / cores)).
+* :func:`ring_profile`: ring micro-batches through the same code path, timed in place with ``n``
+  processes (the bytescale backend, the CPU ring kernel), as the ``n``-rank run runs them: the
+  model's forward and backward under a ring ``Layout``, the agreement check, the K/V and dK/dV
+  exchanges and the waits for the peers included. For each ring size d in 2..n the ranks form
+  ``n // d`` rings that run at once (a rank left over runs a local micro-batch, so the cores are
+  as busy as in training). Least squares (non-negative) of ``T = ar sum(s^2)/d + br tokens + (cs
+  + cn documents) d + c0`` per micro-batch on rank 0 (the kernel works block by block: per ring
+  step, per document). The simulator prices ring micro-batches with it (``ClusterSpec.ring_*``)
+  instead of the local profile: on CPU the model's local attention is torch's SDPA, about 4x
+  faster per FLOP than bytescale's tiled ring kernel, and a ring waits for its slowest member.
 """
 from __future__ import annotations
 
 import os
 import socket
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -40,8 +42,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _fit(cols: List[np.ndarray], y: np.ndarray) -> np.ndarray:
-    x, _ = nnls(np.stack(cols, 1), y)
+def _fit(cols: List[np.ndarray], y: np.ndarray, relative: bool = False) -> np.ndarray:
+    """Non-negative least squares of ``y`` on ``cols``; ``relative``: minimise the relative errors
+    (each row weighted by 1 / y), so short and long samples count alike."""
+    a = np.stack(cols, 1)
+    if relative:
+        w = 1.0 / np.maximum(y, 1e-12)
+        a, y = a * w[:, None], y * w
+    x, _ = nnls(a, y)
     return x
 
 
@@ -120,16 +128,26 @@ def _packs(lengths: np.ndarray, capacity: int, n: int, rng: np.random.Generator)
     return out
 
 
+def _long_docs(lengths: np.ndarray, capacity: int, max_len: int, n: int) -> List[List[int]]:
+    """``n`` single documents longer than ``capacity`` (up to ``max_len``, the longest the run can
+    see): the documents the planner shards over rings. Timed locally they give the attention
+    term's s^2 coefficient, which packed short documents cannot pin down."""
+    longest = min(int(max_len), int(lengths.max()) if lengths.size else int(max_len))
+    if longest <= capacity:
+        return []
+    return [[int(x)] for x in np.linspace(capacity + 1, longest, n).round()]
+
+
 def local_profile(cfg: Any, vocab: int, lengths: np.ndarray, capacity: int, n_mb: int = 24,
-                  reps: int = 5) -> Dict[str, Any]:
-    """Whole-model micro-batch time through ``HybridDataParallel.micro_batch`` (module doc)."""
+                  reps: int = 5, max_len: Optional[int] = None, n_long: int = 8) -> Dict[str, Any]:
+    """Whole-model micro-batch time through ``HybridDataParallel.micro_batch`` (module doc): ``n_mb``
+    packed micro-batches of short documents plus ``n_long`` single documents longer than the
+    capacity (up to ``max_len``), all under ``Layout.local``."""
     import torch.distributed as dist
 
     import bytescale  # noqa: F401  (registers the backend)
     from bytescale.attention import Layout
-    from bytescale.data.types import MicroBatch
-    from bytescale.planner.types import MicroBatchPlan
-    from bytescale.runtime import HybridDataParallel, token_level_loss
+    from bytescale.runtime import HybridDataParallel
     from bytescale.train.build import build_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
@@ -143,27 +161,18 @@ def local_profile(cfg: Any, vocab: int, lengths: np.ndarray, capacity: int, n_mb
         rows = []
         sampler = RunnableSampler()
         sampler.__enter__()
-        for docs in _packs(lengths, capacity, n_mb, rng):
+        packs = _packs(lengths, capacity, n_mb, rng)
+        if max_len:
+            packs += _long_docs(lengths, capacity, max_len, n_long)
+        for docs in packs:
             T = sum(docs)
-            ids = torch.randint(0, vocab, (T,))
-            labels = torch.randint(0, vocab, (T,))
-            pos = torch.cat([torch.arange(s) for s in docs])
-            mb = MicroBatch(ids, labels, pos, MicroBatchPlan(rank=0, index=0), Layout.local(docs))
-
-            def one() -> None:
-                with hdp.micro_batch(mb, last=False):
-                    logits, aux = hdp(mb.input_ids, mb.position_ids, layout=mb.layout, global_tokens=T,
-                                      return_aux=True)
-                    loss = token_level_loss(logits, mb.labels, T)
-                    (loss if aux is None else loss + aux).backward()
-                loss.detach().double().cpu()
-
+            one = _micro_batch_fn(hdp, vocab, Layout.local(docs), T, torch.cat([torch.arange(s) for s in docs]))
             rows.append((float(sum(s * s for s in docs)), float(T), _median_time(one, reps), docs))
         sampler.__exit__()
     finally:
         dist.destroy_process_group()
     sq, tok, t = (np.array([r[i] for r in rows]) for i in range(3))
-    a1, b1, g = _fit([sq, tok, np.ones_like(t)], t)
+    a1, b1, g = _fit([sq, tok, np.ones_like(t)], t, relative=True)
     pred = a1 * sq + b1 * tok + g
     return {"a1": float(a1), "b1": float(b1), "g": float(g), "fit_rel_err": float(np.mean(np.abs(pred / t - 1))),
             "background_runnable": sampler.background,
@@ -172,88 +181,114 @@ def local_profile(cfg: Any, vocab: int, lengths: np.ndarray, capacity: int, n_mb
             "head_dim": int(model.cfg.head_dim), "attn_layers": int(model.cfg.n_layers)}
 
 
-def ring_profile(heads: int, kv_heads: int, head_dim: int, attn_layers: int, lengths: np.ndarray,
-                 capacity: int, ds: Sequence[int] = (2, 3, 4), reps: int = 3) -> Dict[str, Any]:
-    """Per-rank CPU ring kernel cost vs the varlen kernel on the same documents (module doc)."""
-    from bytescale.attention import shard
-    from bytescale.attention.ops import varlen_attention, virtual_ring_attention
-
+def ring_cases(lengths: np.ndarray, capacity: int, n: int, per_d: int = 7) -> List[Any]:
+    """The (ring size d, documents) cases :func:`ring_profile` times with ``n`` processes: for each
+    d in 2..n, packed sets of real document lengths up to ``capacity x d`` and three single
+    documents of 0.4, 0.7 and 1.0 x ``capacity x d`` (the same list in every process: seeded)."""
     rng = np.random.default_rng(1)
-    ring_rows, var_rows = [], []
-    for d in ds:
-        for docs in _packs(lengths, capacity * d, 6, rng):
-            T = sum(docs)
-            q = torch.randn(T, heads, head_dim, requires_grad=True)
-            k = torch.randn(T, kv_heads, head_dim, requires_grad=True)
-            v = torch.randn(T, kv_heads, head_dim, requires_grad=True)
-            qs, ks, vs = (torch.cat([shard(x, docs, d, p) for p in range(d)]).detach().requires_grad_()
-                          for x in (q, k, v))
-            sq = float(sum(s * s for s in docs))
-
-            def ring() -> None:
-                virtual_ring_attention(qs, ks, vs, docs, d).sum().backward()
-
-            def var() -> None:
-                varlen_attention(q, k, v, docs).sum().backward()
-
-            ring_rows.append((sq / d, float(d), _median_time(ring, reps) / d))
-            var_rows.append((sq, _median_time(var, reps)))
-    rs, rd, rt = (np.array([r[i] for r in ring_rows]) for i in range(3))
-    ar, cs, c0 = _fit([rs, rd, np.ones_like(rt)], rt)
-    vs_, vt = (np.array([r[i] for r in var_rows]) for i in range(2))
-    av, c0v = _fit([vs_, np.ones_like(vt)], vt)
-    return {"ar": float(ar), "cs": float(cs), "c0": float(c0), "av": float(av), "c0v": float(c0v),
-            "ring_a1_extra": float(max(0.0, ar - av) * attn_layers), "ring_step_s": float(cs * attn_layers),
-            "ring_fit_rel_err": float(np.mean(np.abs((ar * rs + cs * rd + c0) / rt - 1))),
-            "ring_samples": [list(r) for r in ring_rows], "varlen_samples": [list(r) for r in var_rows]}
+    cases = []
+    for d in range(2, n + 1):
+        for docs in _packs(lengths, capacity * d, per_d - 3, rng):
+            cases.append((d, docs))
+        for f in (0.4, 0.7, 1.0):
+            cases.append((d, [int(capacity * d * f)]))
+    return cases
 
 
-def _spin(n: int) -> None:
-    a = torch.randn(96, 96)
-    for _ in range(n):
-        a = torch.tanh(a @ a)
+def _micro_batch_fn(hdp: Any, vocab: int, layout: Any, T: int, positions: torch.Tensor) -> Any:
+    """One micro-batch as ``Trainer.train_step`` runs it (forward with ``layout=``, token-level
+    loss, backward, the loss's ``.cpu()``) on random tokens."""
+    from bytescale.data.types import MicroBatch
+    from bytescale.planner.types import MicroBatchPlan
+    from bytescale.runtime import token_level_loss
+
+    ids = torch.randint(0, vocab, (T,))
+    mb = MicroBatch(ids, torch.randint(0, vocab, (T,)), positions, MicroBatchPlan(rank=0, index=0), layout)
+
+    def one() -> None:
+        with hdp.micro_batch(mb, last=False):
+            logits, aux = hdp(mb.input_ids, mb.position_ids, layout=mb.layout, global_tokens=T, return_aux=True)
+            loss = token_level_loss(logits, mb.labels, T)
+            (loss if aux is None else loss + aux).backward()
+        loss.detach().double().cpu()
+
+    return one
 
 
-def _exchange_worker(rank: int, world: int, port: int, nbytes: int, steps: int, spin: int, q: Any) -> None:
+def _ring_worker(rank: int, n: int, port: int, cfg: Any, vocab: int, cases: List[Any], reps: int,
+                 q: Any) -> None:
     import torch.distributed as dist
 
-    import bytescale  # noqa: F401
+    import bytescale  # noqa: F401  (registers the backend)
+    from bytescale.attention import Layout
+    from bytescale.attention.zigzag import local_ranges
+    from bytescale.runtime import HybridDataParallel
+    from bytescale.train.build import build_model
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("bytescale", rank=rank, world_size=world)
-    buf, out = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4)
-    nxt, prv = (rank + 1) % world, (rank - 1) % world
-    for it in range(steps + 3):
-        if it == 3:
-            dist.barrier()
-            t0 = time.perf_counter()
-        _spin(spin)
-        reqs = [dist.isend(buf, nxt), dist.irecv(out, prv)]
-        for r in reqs:
-            r.wait()
-    el = (time.perf_counter() - t0) / steps
-    if rank == 0:
-        q.put(el)
-    dist.destroy_process_group()
+    dist.init_process_group("bytescale", rank=rank, world_size=n)
+    out = []
+    try:
+        torch.manual_seed(0)
+        model, _ = build_model(cfg, vocab, torch.device("cpu"))
+        vocab = model.cfg.vocab_size
+        hdp = HybridDataParallel(model)
+        for d, docs in cases:
+            ring_no, pos = divmod(rank, d)
+            if ring_no < n // d:
+                ring = list(range(ring_no * d, ring_no * d + d))
+                layout = Layout(sharded_lens=tuple(docs), ring=tuple(ring), ring_pos=pos)
+                positions = torch.cat([torch.arange(a, b) for s in docs for a, b in local_ranges(s, d, pos)])
+            else:  # a rank left over keeps its core busy as in training: a local micro-batch of a share
+                lens = [max(1, s // d) for s in docs]
+                layout = Layout.local(lens)
+                positions = torch.cat([torch.arange(s) for s in lens])
+            one = _micro_batch_fn(hdp, vocab, layout, int(positions.numel()), positions)
+            ts = []
+            for it in range(reps + 1):
+                dist.barrier()
+                t0 = time.perf_counter()
+                one()
+                ts.append(time.perf_counter() - t0)
+            out.append(float(np.median(ts[1:])))
+        if rank == 0:
+            q.put(out)
+    finally:
+        dist.destroy_process_group()
 
 
-def ring_exchange_latency(n: int, nbytes: int, steps: int = 60, spin: int = 20,
-                          background: float = 0.0) -> Dict[str, float]:
-    """Per-step wait of an ``n``-process ring exchange interleaved with compute (module doc)."""
+def ring_profile(n: int, cfg: Any, vocab: int, lengths: np.ndarray, capacity: int,
+                 reps: int = 9) -> Dict[str, Any]:
+    """Ring micro-batches as the trainer runs them, measured in place with ``n`` processes (module
+    doc): per micro-batch on rank 0, fitted as ``ar sum(s^2)/d + br tokens + (cs + cn documents) d
+    + c0`` (``tokens``: the rank's share)."""
     import torch.multiprocessing as mp
 
-    torch.set_num_threads(1)
-    solo = _median_time(lambda: _spin(spin), 9)
+    from bytescale.attention.zigzag import local_tokens
+
+    cases = ring_cases(lengths, capacity, n)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    ps = [ctx.Process(target=_exchange_worker, args=(r, n, port, nbytes, steps, spin, q)) for r in range(n)]
+    ps = [ctx.Process(target=_ring_worker, args=(r, n, port, cfg, vocab, cases, reps, q)) for r in range(n)]
     for p in ps:
         p.start()
-    per_step = q.get(timeout=120)
-    for p in ps:
-        p.join(60)
-    slow = oversubscription(n, os.cpu_count() or 1, background)
-    return {"ranks": n, "per_step_s": per_step, "compute_solo_s": solo, "oversubscription": slow,
-            "wait_s": max(0.0, per_step - slow * solo)}
+    try:
+        times = q.get(timeout=900)
+    finally:
+        for p in ps:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    rs = np.array([sum(s * s for s in docs) / d for d, docs in cases], dtype=np.float64)
+    rtok = np.array([sum(local_tokens(s, d, 0) for s in docs) for d, docs in cases], dtype=np.float64)
+    rd = np.array([d for d, _ in cases], dtype=np.float64)
+    rn = np.array([len(docs) * d for d, docs in cases], dtype=np.float64)
+    rt = np.array(times)
+    cols = [rs, rtok, rd, rn, np.ones_like(rt)]
+    ar, br, cs, cn, c0 = _fit(cols, rt)
+    pred = np.stack(cols, 1) @ np.array([ar, br, cs, cn, c0])
+    return {"ranks": n, "ar": float(ar), "br": float(br), "cs": float(cs), "cn": float(cn), "c0": float(c0),
+            "fit_rel_err": float(np.mean(np.abs(pred / rt - 1))),
+            "samples": [{"d": d, "docs": docs, "seconds": t} for (d, docs), t in zip(cases, times)]}

@@ -15,14 +15,15 @@
    (``bytescale.plan`` with the cost profile the run was given, or ``static_cp_plan``), priced by
    the "cpu-gloo" cluster made of the measured numbers: by default the TRAINER-PATH profile
    (benchmarks/sim_trainer_profile.py): a1, b1 and the per-micro-batch overhead g fitted on packed
-   micro-batches of real documents timed through ``HybridDataParallel.micro_batch`` exactly as
-   the trainer runs them (bytescale's varlen kernel, loss, backward, ``.cpu()``); the CPU ring
-   kernel's extra cost per s^2/d and per block step (virtual ring vs varlen kernel); the ring-step
-   wait measured with N processes exchanging K/V shards between compute blocks (peers
-   descheduled on oversubscribed cores). Oversubscription is modelled explicitly: N busy ranks on
-   C cores with B other runnable tasks (sampled from /proc/loadavg while profiling) compute
-   ``max(1, (N + B) / C) / max(1, (1 + B) / C)`` times slower than the one-process profile (on a
-   quiet machine ``max(1, N / C)``). ``--concurrent-profile``: the earlier model (a
+   micro-batches of real documents and on single documents longer than the capacity, timed
+   through ``HybridDataParallel.micro_batch`` exactly as the trainer runs them (local attention,
+   loss, backward, ``.cpu()``); and ring micro-batches through the same path timed in place with
+   N processes (rings of every size d <= N running at once), which price the ring micro-batches
+   (model, ring kernel, agreement check, exchanges, waits for the peers). Oversubscription is modelled explicitly for the
+   one-process terms: N busy ranks on C cores with B other runnable tasks (sampled from
+   /proc/loadavg while profiling) compute ``max(1, (N + B) / C) / max(1, (1 + B) / C)`` times
+   slower than the one-process profile (on a quiet machine ``max(1, N / C)``); the ring terms are
+   measured with N processes already. ``--concurrent-profile``: the earlier model (a
    ``bytescale.profile`` measured by N processes at once, no trainer-path terms). Steps 0-1
    (warm-up) are left out. ``--reuse`` keeps the measured inputs, ``--reuse-runs`` the training
    logs (no training: iterate on the model).
@@ -217,9 +218,9 @@ def simulate_run(nproc: int, strategy: str, files: Dict[str, str], prof: Dict[st
                  skip: int, slow: float, tp: Optional[Dict[str, Any]] = None,
                  plan_profile: Optional[str] = None) -> Dict[str, Any]:
     """Simulates every logged step of one run. ``tp`` (:func:`measure_trainer_profile`): price
-    with the trainer-path profile (a1, b1, g of real micro-batches, the ring kernel's terms, the
-    ring-step wait measured with ``nproc`` processes), compute slowed by ``slow``; without it the
-    ``bytescale.profile`` numbers. ``plan_profile``: the cost-profile JSON the run was planned
+    with the trainer-path profile (a1, b1, g of real micro-batches, slowed by ``slow``; the ring
+    attention op measured in place with ``nproc`` processes); without it the ``bytescale.profile``
+    numbers. ``plan_profile``: the cost-profile JSON the run was planned
     with (default: ``prof``'s)."""
     from bytescale.data.baselines import static_cp_degree
     from bytescale.planner import CostModel, load_cost_model, plan
@@ -243,21 +244,27 @@ def simulate_run(nproc: int, strategy: str, files: Dict[str, str], prof: Dict[st
     else:
         plan_cost = flat_cost
     price = CostModel.from_json(flat_cost.to_json())
-    lat, ring_extra, ring_step = p2p["latency_s"], 0.0, 0.0
+    lat = p2p["latency_s"]
+    ring: Dict[str, float] = {}
     if tp is not None:
         price.a1, price.b1, price.g = tp["local"]["a1"], tp["local"]["b1"], tp["local"]["g"]
-        ring_extra, ring_step = tp["ring"]["ring_a1_extra"] * slow, tp["ring"]["ring_step_s"] * slow
-        lat = max(lat, tp["exchange"][str(nproc)]["wait_s"])
+        ri = tp["ring"].get(str(nproc))
+        if ri is not None:
+            # ring micro-batches at their price measured in place with nproc processes (the
+            # model's forward + backward, the ring kernel, agreement check, exchanges, waits;
+            # already under nproc processes' contention: not slowed again)
+            ring = dict(ring_a1=ri["ar"], ring_b1=ri["br"], ring_step_s=ri["cs"], ring_doc_step_s=ri["cn"],
+                        ring_call_s=ri["c0"])
     price.a1, price.b1, price.g = price.a1 * slow, price.b1 * slow, price.g * slow
     # the profile's one "layer" is the whole model: a ring step moves every layer's K/V and pays a
-    # latency (or, measured with nproc processes, a wait for the peers) per layer
+    # latency per layer (with the in-place ring price above, which holds the measured exchanges,
+    # this transfer term is hidden under the attention blocks)
     cl = ClusterSpec("cpu-gloo", gpus=nproc, gpus_per_node=nproc, intra_bw=p2p["bandwidth_Bps"],
                      intra_latency=lat * prof["model_layers"], inter_bw=p2p["bandwidth_Bps"],
                      inter_latency=lat * prof["model_layers"], host_bw=prof["bw_d2h"],
-                     gpu_memory=8e9, peak_flops=0.1e12, compute_slowdown=max(1.0, slow), ring_a1_extra=ring_extra,
-                     ring_step_s=ring_step, source="measured")
-    # the gradient all-reduce (fp32, ring algorithm): 2(n-1) hops, each one exchange's wait (the
-    # per-layer scaling of the ring's latency above does not apply to it)
+                     gpu_memory=8e9, peak_flops=0.1e12, compute_slowdown=max(1.0, slow), source="measured", **ring)
+    # the gradient all-reduce (fp32, ring algorithm): 2(n-1) hops, each one point-to-point latency
+    # (the per-layer scaling of the ring's latency above does not apply to it)
     grad = 4.0 * prof["params"]
     sync = 2.0 * (nproc - 1) / nproc * grad / p2p["bandwidth_Bps"] + 2.0 * (nproc - 1) * lat if nproc > 1 else 0.0
     shape = model_shape("tiny")
@@ -303,23 +310,20 @@ def print_table(results: List[Dict[str, Any]]) -> None:
               f"{r['per_step_abs_error']:.1%} | " + " | ".join(ratio) + " |")
 
 
-def measure_trainer_profile(ranks: List[int], kv_bytes_per_step: float) -> Dict[str, Any]:
-    """The trainer-path profile (benchmarks/sim_trainer_profile.py): real packed micro-batches
-    through ``HybridDataParallel.micro_batch`` (a1, b1, g), the CPU ring kernel's per-rank terms
-    (virtual ring vs varlen), and the ring-step wait with n processes for each n in ``ranks``."""
-    from sim_trainer_profile import local_profile, ring_exchange_latency, ring_profile
+def measure_trainer_profile(ranks: List[int]) -> Dict[str, Any]:
+    """The trainer-path profile (benchmarks/sim_trainer_profile.py): real packed micro-batches and
+    long single documents through ``HybridDataParallel.micro_batch`` (a1, b1, g), and ring
+    micro-batches through the same path timed in place with n processes for each n in ``ranks``."""
+    from sim_trainer_profile import local_profile, ring_profile
 
     from bytescale.train.build import build_dataset
 
     cfg = _cfg([])
     ds, vocab, _ = build_dataset(cfg, CAPACITY * max(ranks))
     lengths = np.asarray(ds.lengths, dtype=np.int64)
-    local = local_profile(cfg, vocab, lengths, CAPACITY)
-    ring = ring_profile(local["heads"], local["kv_heads"], local["head_dim"], local["attn_layers"], lengths, CAPACITY)
-    bg = local["background_runnable"] or 0.0
-    exch = {str(n): ring_exchange_latency(n, int(kv_bytes_per_step), background=bg)
-            for n in sorted(set(ranks)) if n > 1}
-    return {"local": local, "ring": ring, "exchange": exch}
+    local = local_profile(cfg, vocab, lengths, CAPACITY, max_len=CAPACITY * max(ranks))
+    ring = {str(n): ring_profile(n, cfg, vocab, lengths, CAPACITY) for n in sorted(set(ranks)) if n > 1}
+    return {"local": local, "ring": ring}
 
 
 def main() -> None:
@@ -360,8 +364,7 @@ def main() -> None:
         p2p = measure_p2p()
     tp = saved.get("trainer_profile")
     if tp is None and not args.concurrent_profile:
-        kv_step = prof["kv_bytes_per_layer_token"] * CAPACITY  # one rank's K/V shard of one layer
-        tp = measure_trainer_profile(args.ranks, kv_step)
+        tp = measure_trainer_profile(args.ranks)
     with open(inputs, "w") as f:
         json.dump({"profile": prof, "p2p": p2p, "trainer_profile": tp}, f, indent=1)
     cores = os.cpu_count() or 1
@@ -369,14 +372,13 @@ def main() -> None:
           f"g={prof['g']:.3e} optimizer={prof['optimizer_s'] * 1e3:.2f} ms")
     print(f"gloo p2p: latency {p2p['latency_s'] * 1e6:.0f} us, bandwidth {p2p['bandwidth_Bps'] / 1e9:.2f} GB/s")
     if tp is not None:
-        lo, ri = tp["local"], tp["ring"]
-        print(f"trainer-path profile (packed micro-batches via HybridDataParallel.micro_batch): a1={lo['a1']:.3e} "
-              f"b1={lo['b1']:.3e} g={lo['g']:.3e} (fit error {lo['fit_rel_err']:.1%}); ring kernel per layer: "
-              f"+{ri['ring_a1_extra']:.3e} s per s^2/d, {ri['ring_step_s'] * 1e3:.2f} ms per block step")
-        for n, e in tp["exchange"].items():
-            print(f"  ring step with {n} processes on {cores} cores: {e['per_step_s'] * 1e3:.2f} ms per step, "
-                  f"wait {e['wait_s'] * 1e3:.2f} ms beyond compute (solo {e['compute_solo_s'] * 1e3:.2f} ms x "
-                  f"{e['oversubscription']:.2f})")
+        lo = tp["local"]
+        print(f"trainer-path profile (packed micro-batches and long documents via HybridDataParallel.micro_batch): "
+              f"a1={lo['a1']:.3e} b1={lo['b1']:.3e} g={lo['g']:.3e} (fit error {lo['fit_rel_err']:.1%})")
+        for n, ri in tp["ring"].items():
+            print(f"  ring micro-batches in place, {n} processes on {cores} cores: {ri['ar']:.3e} s per s^2/d + "
+                  f"{ri['br']:.3e} s per token + ({ri['cs'] * 1e3:.2f} ms + {ri['cn'] * 1e3:.2f} ms x documents) x d "
+                  f"+ {ri['c0'] * 1e3:.2f} ms (fit error {ri['fit_rel_err']:.1%})")
     results = []
     profiles = {}
     from sim_trainer_profile import oversubscription

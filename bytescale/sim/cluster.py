@@ -39,11 +39,16 @@ class ClusterSpec:
     peak_flops: float      # dense FLOP/s of one device (bf16)
     loader_bw: float = 1e9  # bytes/s one node's data loader reads (data-stall model)
     compute_slowdown: float = 1.0  # >1 when devices share compute (CPU processes on fewer cores)
-    # ring kernel vs the profile's (local) attention, per layer: extra seconds per (s^2 / d) of a
-    # ring micro-batch's attention, and fixed seconds per block step (d per ring micro-batch);
-    # 0 unless measured (benchmarks/validate_sim.py measures the CPU ring kernel's)
-    ring_a1_extra: float = 0.0
+    # A measured price of ring micro-batches, per layer (0 = unset: priced by the cost model like
+    # local ones). When any is set, a ring micro-batch of ring size d costs
+    # ring_a1 x sum(s^2)/d + ring_b1 x its tokens + (ring_step_s + ring_doc_step_s x documents) x d
+    # + ring_call_s instead of the cost model's a1, b1, g (benchmarks/validate_sim.py measures
+    # them for the CPU ring kernel, in place with N processes).
+    ring_a1: float = 0.0
+    ring_b1: float = 0.0
     ring_step_s: float = 0.0
+    ring_doc_step_s: float = 0.0
+    ring_call_s: float = 0.0
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -59,11 +64,19 @@ class ClusterSpec:
             v = getattr(self, f)
             if not (isinstance(v, (int, float)) and 0 <= v < float("inf")):
                 raise ValueError(f"cluster {self.name!r}: {f} must be >= 0, got {v!r}")
-        if not (self.ring_a1_extra >= 0.0 and self.ring_step_s >= 0.0):
-            raise ValueError(f"cluster {self.name!r}: ring_a1_extra and ring_step_s must be >= 0, got "
-                             f"{self.ring_a1_extra!r}, {self.ring_step_s!r}")
+        for f in self.RING_FIELDS:
+            v = getattr(self, f)
+            if not (isinstance(v, (int, float)) and 0 <= v < float("inf")):
+                raise ValueError(f"cluster {self.name!r}: {f} must be >= 0, got {v!r}")
         if not self.compute_slowdown >= 1.0:
             raise ValueError(f"cluster {self.name!r}: compute_slowdown must be >= 1, got {self.compute_slowdown!r}")
+
+    RING_FIELDS = ("ring_a1", "ring_b1", "ring_step_s", "ring_doc_step_s", "ring_call_s")
+
+    @property
+    def measured_ring(self) -> bool:
+        """Whether ring micro-batches have a measured price (the ``ring_*`` fields)."""
+        return any(getattr(self, f) > 0 for f in self.RING_FIELDS)
 
     @property
     def nodes(self) -> int:

@@ -11,8 +11,9 @@ model, :mod:`bytescale.sim.model`):
   bandwidth, plus 3 latencies). The link is NVLink when all members sit on one node, the inter-node
   link otherwise (a ring advances at its slowest hop). Each step overlaps with that step's
   attention block (``a1 x attn / d``); what compute does not cover is exposed:
-  ``(d-1) x max(0, step_comm - a1 attn / d)``; a ring micro-batch's compute adds the cluster's
-  measured ring-kernel terms ``ring_a1_extra x attn + ring_step_s x d`` (0 by default);
+  ``(d-1) x max(0, step_comm - a1 attn / d)``; where the cluster has a measured price of ring
+  micro-batches (``ring_a1 x attn + ring_b1 x tokens + (ring_step_s + ring_doc_step_s x docs) x
+  d + ring_call_s``, :class:`ClusterSpec`), their compute is that instead;
 * offloading (ratio r, chosen by the planner with Eq. 3): ``r x Act(tokens)`` bytes go to the host
   during the forward (hidden under the forward, a third of the compute) and come back during the
   backward (hidden under the other two thirds); what does not fit is exposed.
@@ -105,10 +106,12 @@ def micro_batch_times(s: Schedule, cl: ClusterSpec, cost: Any) -> Dict[str, np.n
     attn = cost.a1 * s.mb_attn
     layer = attn + cost.b1 * s.mb_tokens + cost.g * (s.mb_tokens > 0)
     ring = s.mb_ring >= 0
-    if ring.any() and (cl.ring_a1_extra or cl.ring_step_s):
-        # the ring kernel's own cost (cluster fields, measured): per s^2/d and per block step
+    if ring.any() and cl.measured_ring:
+        # ring micro-batches at the cluster's measured price (ClusterSpec.ring_* fields)
         layer = layer.copy()
-        layer[ring] += cl.ring_a1_extra * s.mb_attn[ring] + cl.ring_step_s * s.mb_ring_size[ring]
+        d = s.mb_ring_size[ring]
+        layer[ring] = (cl.ring_a1 * s.mb_attn[ring] + cl.ring_b1 * s.mb_tokens[ring]
+                       + (cl.ring_step_s + cl.ring_doc_step_s * s.mb_docs[ring]) * d + cl.ring_call_s)
     compute = L * layer
     comm = np.zeros_like(compute)
     if ring.any():

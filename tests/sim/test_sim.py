@@ -176,13 +176,19 @@ def test_doubling_bandwidth_never_slows_a_step_replanned(world, gpn, corpus):
         assert b.step_time_s <= a.step_time_s * (1 + 1e-12), a.strategy
 
 
-def test_measured_ring_kernel_terms_cost_ring_micro_batches_only():
+def test_measured_ring_price_replaces_the_cost_model_for_ring_micro_batches_only():
     s = replace(_hand_schedule(), mb_attn=np.array([0.0, 4e4, 4e4, 0.0]))
     cl = replace(cluster("h100-nvlink-ib400", 3, 8), intra_latency=0.0)
     base = micro_batch_times(s, cl, _unit_cost())
-    ringed = micro_batch_times(s, replace(cl, ring_a1_extra=1e-6, ring_step_s=0.01), _unit_cost())
+    cost = _unit_cost()
+    ringed = micro_batch_times(s, replace(cl, ring_a1=1e-6, ring_b1=1e-5, ring_step_s=0.01, ring_doc_step_s=0.002,
+                                          ring_call_s=0.003), cost)
     ring = s.mb_ring >= 0
     assert np.array_equal(ringed["compute"][~ring], base["compute"][~ring])  # local ones unchanged
-    np.testing.assert_allclose(ringed["compute"][ring] - base["compute"][ring], 1e-6 * 4e4 + 0.01 * 2)
+    priced = (1e-6 * s.mb_attn[ring] + 1e-5 * s.mb_tokens[ring] + (0.01 + 0.002 * s.mb_docs[ring]) * 2 + 0.003)
+    np.testing.assert_allclose(ringed["compute"][ring], cost.layers * priced)
     with pytest.raises(ValueError, match="ring_step_s"):
         replace(cl, ring_step_s=-1.0)
+    for f in ("ring_a1", "ring_b1", "ring_call_s", "ring_doc_step_s"):
+        with pytest.raises(ValueError, match=f):
+            replace(cl, **{f: -1.0})
