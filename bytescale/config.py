@@ -118,7 +118,7 @@ ENV_KNOBS = {
              "ring order, dtype, head shapes, causal, scale before any K/V moves; same value on "
              "every rank); read once per process (csrc/common/env.h)."),
     "BYTESCALE_ATTENTION_KERNEL": (
-        "auto", "per-ring-step attention kernel on CUDA: auto, flash, cudnn or tiled; read once "
+        "auto", "per-ring-step attention kernel: auto, flash, cudnn (CUDA), sdpa (CPU) or tiled; read once "
                 "per process (csrc/common/env.h)."),
 }
 """Every environment variable bytescale reads: name -> (default, meaning)."""

@@ -14,18 +14,15 @@ import torch
 
 from . import zigzag
 from .ops import ring_attention, varlen_attention
-from .reference import reference_varlen_attention
 
 __all__ = ["Layout", "shard", "unshard", "shard_order", "unshard_order", "local_attention"]
 
 
 def local_attention(q, k, v, doc_lens, softmax_scale=None, causal=True):
-    """Attention over wholly local packed documents: on CUDA bytescale's varlen op (one fused
-    flash / cuDNN call for all documents, no S x S matrix); on CPU torch's SDPA per document (its
-    fused CPU kernel is faster than bytescale's tiled one, benchmarks/RESULTS.md)."""
-    if q.is_cuda:
-        return varlen_attention(q, k, v, doc_lens, softmax_scale, causal)
-    return reference_varlen_attention(q, k, v, doc_lens, softmax_scale, causal)
+    """Attention over wholly local packed documents: bytescale's varlen op (one C++ call for all
+    documents, no S x S matrix: flash / cuDNN on CUDA, ATen's fused CPU flash kernel ("sdpa")
+    per document on CPU, the same kernels ring steps run)."""
+    return varlen_attention(q, k, v, doc_lens, softmax_scale, causal)
 
 
 @dataclass(frozen=True)

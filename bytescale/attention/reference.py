@@ -1,5 +1,5 @@
-"""Plain-PyTorch attention over packed documents: the independent reference of the tests, and the
-CPU path for wholly local documents (torch's fused SDPA per document)."""
+"""Plain-PyTorch attention over packed documents (torch's SDPA per document): the independent
+reference of the tests and benchmarks."""
 from __future__ import annotations
 
 from typing import Optional, Sequence

@@ -3,9 +3,11 @@
 //
 // A step is the queries a rank holds against one K/V block (BlockPair, block_step.h). Kernels:
 //   "tiled"  (rank 0)  built in (block_attention.h): any device, any floating dtype, any head dim.
+//   "sdpa"   (rank 5)  CPU, fp32/fp64/bf16: ATen's fused CPU flash attention per segment
+//                      (sdpa_cpu_block.cpp), registered at load.
 //   "flash"  (rank 10) CUDA plug-in (csrc/cuda/attention/flash_block.cpp), registered at load.
 //   "cudnn"  (rank 20) CUDA plug-in (csrc/cuda/attention/cudnn_block.cpp), registered at load.
-// A CPU-only build registers no plug-in, so every step runs on the tiled kernel.
+// A CPU-only build registers no CUDA plug-in; CPU steps run on "sdpa" (fp16: tiled).
 //
 // chooseKernel picks, among the kernels registered for q's device type that are available on
 // q's device, the highest-ranked one that accepts the step:
@@ -84,7 +86,7 @@ std::vector<std::string> kernelNames(c10::DeviceType device);
 const BlockKernel& chooseKernel(const at::Tensor& q, const BlockPair& bp,
                                 const BlockKernel* below = nullptr);
 
-// The kernel choice in force ("auto", "flash", "cudnn" or "tiled"); starts as
+// The kernel choice in force ("auto", "flash", "cudnn", "sdpa" or "tiled"); starts as
 // BYTESCALE_ATTENTION_KERNEL. setKernelChoice changes it for the process (tests, benchmarks) and
 // throws std::invalid_argument for another name.
 std::string kernelChoice();

@@ -46,7 +46,7 @@ void bind_attention(pybind11::module_& m) {
           TORCH_CHECK(q.dim() == 3, "flash_usable: q must be (tokens, heads, head_dim), got ", q.sizes());
           const std::vector<int64_t> lens{q.size(0)};
           return attention::chooseKernel(q, attention::BlockPair{lens, 0, 0, 0, true}).name() != "tiled";
-        }, py::arg("q"), "True when q's attention steps run on a fused (flash / cuDNN) kernel.");
+        }, py::arg("q"), "True when q's attention steps run on a fused kernel (CUDA flash / cuDNN, CPU sdpa).");
   m.def("cudnn_failed", []() {
           const auto* k = attention::findKernel("cudnn");
           return k != nullptr && k->disabled();
@@ -59,7 +59,7 @@ void bind_attention(pybind11::module_& m) {
   m.def("kernel_choice", &attention::kernelChoice,
         "The kernel choice in force: BYTESCALE_ATTENTION_KERNEL unless set_kernel_choice changed it.");
   m.def("set_kernel_choice", &attention::setKernelChoice, py::arg("choice"),
-        "Sets the kernel choice for this process: 'auto', 'flash', 'cudnn' or 'tiled'.");
+        "Sets the kernel choice for this process: 'auto', 'flash', 'cudnn', 'sdpa' or 'tiled'.");
   m.def("merge_lse_", [](at::Tensor out, at::Tensor lse, const at::Tensor& out_b, const at::Tensor& lse_b) {
           static const auto op = c10::Dispatcher::singleton()
                                       .findSchemaOrThrow("bytescale::merge_lse_", "")

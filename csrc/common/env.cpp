@@ -7,9 +7,9 @@ namespace bytescale {
 namespace env {
 
 void checkAttentionKernel(const std::string& s) {
-  if (s != "auto" && s != "flash" && s != "cudnn" && s != "tiled")
+  if (s != "auto" && s != "flash" && s != "cudnn" && s != "sdpa" && s != "tiled")
     throw std::invalid_argument("BYTESCALE_ATTENTION_KERNEL='" + s +
-                                "': expected auto, flash, cudnn or tiled");
+                                "': expected auto, flash, cudnn, sdpa or tiled");
 }
 
 Knobs readKnobs() {
