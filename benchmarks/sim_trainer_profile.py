@@ -18,7 +18,8 @@
   model's forward and backward under a ring ``Layout``, the agreement check, the K/V and dK/dV
   exchanges and the waits for the peers included. For each ring size d in 2..n the ranks form
   ``n // d`` rings that run at once (a rank left over runs a local micro-batch, so the cores are
-  as busy as in training). Least squares (non-negative) of ``T = ar sum(s^2)/d + br tokens + (cs
+  as busy as in training), each case ``reps`` times back to back as a step runs its micro-batches
+  (the mean per micro-batch). Least squares (non-negative) of ``T = ar sum(s^2)/d + br tokens + (cs
   + cn documents) d + c0`` per micro-batch on rank 0 (the kernel works block by block: per ring
   step, per document). The simulator prices ring micro-batches with it (``ClusterSpec.ring_*``)
   instead of the local profile: on CPU the model's local attention is torch's SDPA, about 4x
@@ -245,13 +246,12 @@ def _ring_worker(rank: int, n: int, port: int, cfg: Any, vocab: int, cases: List
                 layout = Layout.local(lens)
                 positions = torch.cat([torch.arange(s) for s in lens])
             one = _micro_batch_fn(hdp, vocab, layout, int(positions.numel()), positions)
-            ts = []
-            for it in range(reps + 1):
-                dist.barrier()
-                t0 = time.perf_counter()
+            one()  # warm-up
+            dist.barrier()
+            t0 = time.perf_counter()  # back to back, as a step runs its micro-batches
+            for _ in range(reps):
                 one()
-                ts.append(time.perf_counter() - t0)
-            out.append(float(np.median(ts[1:])))
+            out.append((time.perf_counter() - t0) / reps)
         if rank == 0:
             q.put(out)
     finally:
@@ -259,7 +259,7 @@ def _ring_worker(rank: int, n: int, port: int, cfg: Any, vocab: int, cases: List
 
 
 def ring_profile(n: int, cfg: Any, vocab: int, lengths: np.ndarray, capacity: int,
-                 reps: int = 9) -> Dict[str, Any]:
+                 reps: int = 24) -> Dict[str, Any]:
     """Ring micro-batches as the trainer runs them, measured in place with ``n`` processes (module
     doc): per micro-batch on rank 0, fitted as ``ar sum(s^2)/d + br tokens + (cs + cn documents) d
     + c0`` (``tokens``: the rank's share)."""
