@@ -8,8 +8,8 @@
   wrapped in ``HybridDataParallel`` (a one-rank process group on the bytescale backend), packed
   micro-batches of several real documents (lengths from the trainer's dataset) and single
   documents longer than the capacity (those the planner shards over rings: without them the
-  s^2 term is not identifiable from short documents) under ``Layout.local`` (on CPU torch's
-  SDPA per document), timed as ``Trainer.train_step`` does one micro-batch
+  s^2 term is not identifiable from short documents) under ``Layout.local`` (the varlen op; on
+  CPU the ``sdpa`` kernel), timed as ``Trainer.train_step`` does one micro-batch
   (forward with ``layout=``, token-level loss, backward, the loss's ``.cpu()``). Least squares
   (non-negative, relative errors) of ``T = a1 sum(s^2) + b1 tokens + g``: ``g`` is the trainer's fixed cost per
   micro-batch.
@@ -22,8 +22,8 @@
   (the mean per micro-batch). Least squares (non-negative) of ``T = ar sum(s^2)/d + br tokens + (cs
   + cn documents) d + c0`` per micro-batch on rank 0 (the kernel works block by block: per ring
   step, per document). The simulator prices ring micro-batches with it (``ClusterSpec.ring_*``)
-  instead of the local profile: on CPU the model's local attention is torch's SDPA, about 4x
-  faster per FLOP than bytescale's tiled ring kernel, and a ring waits for its slowest member.
+  instead of the local profile, which does not see what a ring adds: the agreement check, the
+  exchanges, and the waits for the ring's slowest member.
 """
 from __future__ import annotations
 
