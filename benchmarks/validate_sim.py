@@ -18,9 +18,9 @@
    micro-batches of real documents and on single documents longer than the capacity, timed
    through ``HybridDataParallel.micro_batch`` exactly as the trainer runs them (local attention,
    loss, backward, ``.cpu()``); and ring micro-batches through the same path timed in place with
-   N processes (rings of every size d <= N running at once), which price the ring micro-batches
-   (model, ring kernel, agreement check, exchanges, waits for the peers). Oversubscription is modelled explicitly for the
-   one-process terms: N busy ranks on C cores with B other runnable tasks (sampled from
+   N processes (rings of every size d <= N running at once, each case 24 times back to back),
+   which price the ring micro-batches (model, ring kernel, agreement check, exchanges, waits for
+   the peers). Oversubscription is modelled explicitly for the one-process terms: N busy ranks on C cores with B other runnable tasks (sampled from
    /proc/loadavg while profiling) compute ``max(1, (N + B) / C) / max(1, (1 + B) / C)`` times
    slower than the one-process profile (on a quiet machine ``max(1, N / C)``); the ring terms are
    measured with N processes already. ``--concurrent-profile``: the earlier model (a
@@ -218,8 +218,8 @@ def simulate_run(nproc: int, strategy: str, files: Dict[str, str], prof: Dict[st
                  skip: int, slow: float, tp: Optional[Dict[str, Any]] = None,
                  plan_profile: Optional[str] = None) -> Dict[str, Any]:
     """Simulates every logged step of one run. ``tp`` (:func:`measure_trainer_profile`): price
-    with the trainer-path profile (a1, b1, g of real micro-batches, slowed by ``slow``; the ring
-    attention op measured in place with ``nproc`` processes); without it the ``bytescale.profile``
+    with the trainer-path profile (a1, b1, g of real micro-batches, slowed by ``slow``; ring
+    micro-batches measured in place with ``nproc`` processes); without it the ``bytescale.profile``
     numbers. ``plan_profile``: the cost-profile JSON the run was planned
     with (default: ``prof``'s)."""
     from bytescale.data.baselines import static_cp_degree
