@@ -67,11 +67,12 @@ def _as_timedelta(t) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(t))
 
 
-class _NamedProcessGroup(ProcessGroup):
+class _NamedProcessGroup(_C.comm.NamedProcessGroup):
     """A process group whose every device runs one bytescale backend, named "bytescale".
 
     c10d's plain ProcessGroup names any plug-in backend "custom" (``ProcessGroup::getBackendName``),
-    and that name is what DDP's logging data (``backend_name``) and ``pg.name()`` report.
+    and that name is what DDP's logging data (``backend_name``) and ``pg.name()`` report. The base
+    class is C++ (``csrc/bindings/comm.cpp``): collectives dispatch without the GIL.
     """
 
     def __init__(self, backend, bound_device_id=None):
@@ -81,9 +82,6 @@ class _NamedProcessGroup(ProcessGroup):
         self._set_default_backend(ProcessGroup.BackendType.CUSTOM)
         if bound_device_id is not None:
             self.bound_device_id = bound_device_id
-
-    def getBackendName(self) -> str:  # noqa: N802 - the C++ virtual's name (PyProcessGroup)
-        return BACKEND_NAME
 
 
 def _only_bytescale(caller_frame) -> bool:
@@ -163,7 +161,7 @@ def world_backend() -> _C.comm.BytescaleBackend:
     return _world_backend
 
 
-class DynamicGroup(ProcessGroup):
+class DynamicGroup(_C.comm.NamedProcessGroup):
     """A process group over an ordered list of global ranks, on the world communicator.
 
     Pass it as ``group=`` to ``dist.all_reduce``, ``dist.all_gather_into_tensor``,
@@ -189,9 +187,6 @@ class DynamicGroup(ProcessGroup):
         w = dist.distributed_c10d._world
         w.pg_group_ranks[self] = {g: i for i, g in enumerate(self._ranks)}
         w.pg_map[self] = (BACKEND_NAME, w.pg_map[dist.distributed_c10d._get_default_group()][1])
-
-    def getBackendName(self) -> str:  # noqa: N802 - the C++ virtual's name (PyProcessGroup)
-        return BACKEND_NAME
 
     @property
     def ranks(self) -> tuple[int, ...]:

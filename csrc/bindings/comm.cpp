@@ -3,6 +3,7 @@
 
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 
 #include "comm/backend.h"
@@ -15,11 +16,33 @@ namespace py = pybind11;
 
 namespace bytescale {
 
+namespace {
+
+// A c10d ProcessGroup that reports "bytescale" as its backend's name (c10d's own reports "custom"
+// for any plug-in backend; DDP's logging data and pg.name() read it). It lives in C++ on purpose:
+// collectives on a Python subclass of c10d.ProcessGroup go through torch's trampoline, which runs
+// the backend with the GIL held (PyProcessGroup's WORK_OVERRIDE); a communication thread that
+// then drops the last reference to a Python-owned tensor waits for the GIL while the caller waits
+// for it: a deadlock. Python subclasses of this class (bytescale.comm) add attributes only.
+class NamedProcessGroup : public c10d::ProcessGroup {
+ public:
+  NamedProcessGroup(int rank, int size) : c10d::ProcessGroup(rank, size) {}
+  const std::string getBackendName() const override { return "bytescale"; }
+};
+
+}  // namespace
+
 void bind_comm(py::module_& m) {
   using comm::BytescaleBackend;
   using comm::DynamicGroupBackend;
   // torch.distributed must be imported first so that c10d.Backend is a known pybind type.
   py::module_::import("torch.distributed");
+
+  py::class_<NamedProcessGroup, c10d::ProcessGroup, c10::intrusive_ptr<NamedProcessGroup>>(
+      m, "NamedProcessGroup",
+      "A c10d ProcessGroup named 'bytescale' whose collectives dispatch in C++ without the GIL "
+      "(subclass it from Python; do not override its collectives).")
+      .def(py::init<int, int>(), py::arg("rank"), py::arg("size"));
 
   py::class_<BytescaleBackend, c10d::Backend, c10::intrusive_ptr<BytescaleBackend>>(
       m, "BytescaleBackend",
