@@ -70,13 +70,11 @@ class SdpaCpuKernel final : public BlockKernel {
                 at::Tensor& dv) const override {
     const BlockPlan& plan = bp.plan();
     const int64_t groups = q.size(1) / k.size(1);
-    // the kernel's log-sum-exp dtype: fp32, fp64 for fp64 inputs (the accumulators' dtype)
-    const at::Tensor lse_acc = lse.to(accType(q.scalar_type()));
     for (const Segment& s : plan.segs) {
       auto g = at::_scaled_dot_product_flash_attention_for_cpu_backward(
           batchHeads(dout.narrow(0, s.q0, s.qn)), batchHeads(q.narrow(0, s.q0, s.qn)),
           kvHeads(k.narrow(0, s.k0, s.kn), groups), kvHeads(v.narrow(0, s.k0, s.kn), groups),
-          batchHeads(out.narrow(0, s.q0, s.qn)), lse_acc.narrow(1, s.q0, s.qn).unsqueeze(0), 0.0,
+          batchHeads(out.narrow(0, s.q0, s.qn)), lse.narrow(1, s.q0, s.qn).unsqueeze(0), 0.0,
           plan.causal, std::nullopt, scale);
       dq.narrow(0, s.q0, s.qn).add_(std::get<0>(g).squeeze(0).transpose(0, 1));
       dk.narrow(0, s.k0, s.kn).add_(kvGrad(std::get<1>(g), groups));
