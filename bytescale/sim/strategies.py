@@ -109,11 +109,14 @@ def schedule_from_plan(name: str, plan: Any, lengths: np.ndarray, loader: str) -
     p = plan.raw
     M = int(p.num_micro_batches)
     mb_seg = np.asarray(p.mb_seg, dtype=np.int64)
-    seg_mb = np.repeat(np.arange(M), np.diff(mb_seg))
-    seg_len = lengths[np.asarray(p.seg_seq, dtype=np.int64)].astype(np.float64)
-    seg_size = np.asarray(p.seg_ring_size, dtype=np.float64)
-    attn = np.bincount(seg_mb, weights=seg_len * seg_len / seg_size, minlength=M)
-    docs = np.bincount(seg_mb, minlength=M).astype(np.int64)
+    seg_len = lengths[np.asarray(p.seg_seq)].astype(np.float64)
+    seg_len *= seg_len
+    seg_len /= np.asarray(p.seg_ring_size)
+    docs = np.diff(mb_seg)
+    if M and docs.all():  # reduceat sums each micro-batch's segments (none is empty)
+        attn = np.add.reduceat(seg_len, mb_seg[:-1])
+    else:
+        attn = np.bincount(np.repeat(np.arange(M), docs), weights=seg_len, minlength=M)
     mb_ring = np.asarray(p.mb_ring, dtype=np.int64)
     ring_grp = np.asarray(p.ring_grp, dtype=np.int64)
     sizes = np.diff(ring_grp)
