@@ -9,6 +9,7 @@
 
 #include "attention/zigzag.h"
 #include "planner/builder.h"
+#include "planner/pipeline.h"
 #include "planner/replay.h"
 
 namespace bytescale {
@@ -374,10 +375,10 @@ Plan Builder::finish(const BoundParts& bound) {
 
 }  // namespace detail
 
-Plan makePlan(const std::vector<int64_t>& lengths, const PlanOptions& opt) {
-  detail::validateInput(lengths, opt);
-  detail::Context ctx(lengths, opt);
-  const BoundParts bound = lowerBound(lengths, opt);
+namespace {
+// The strategies without pipelines (pipeline.h adds the stages to their per-rank order).
+Plan makeFlat(const std::vector<int64_t>& lengths, const PlanOptions& opt, const detail::Context& ctx,
+              const BoundParts& bound) {
   if (opt.strategy == Strategy::kStatic) {
     int64_t longest = 0;
     for (int64_t s : lengths) longest = std::max(longest, s);
@@ -397,6 +398,20 @@ Plan makePlan(const std::vector<int64_t>& lengths, const PlanOptions& opt) {
       if (alt.makespan < p.makespan) return alt;
     }
   }
+  return p;
+}
+
+}  // namespace
+
+Plan makePlan(const std::vector<int64_t>& lengths, const PlanOptions& opt) {
+  detail::validateInput(lengths, opt);
+  validatePipelineOptions(opt.pipeline);
+  detail::Context ctx(lengths, opt);
+  const BoundParts bound = lowerBound(lengths, opt);
+  if (opt.strategy == Strategy::kPPBalance) return detail::planPPBalance(ctx, bound);
+  if (opt.strategy == Strategy::kPPLockstep) return detail::planPPLockstep(ctx, bound);
+  Plan p = makeFlat(lengths, opt, ctx, bound);
+  if (opt.pipeline.stages > 1) detail::finishPipeline(p, ctx, bound);
   return p;
 }
 
