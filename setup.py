@@ -11,7 +11,7 @@ Compiles go through ccache when it is installed, nvcc's included (``PYTORCH_NVCC
 
 Environment knobs:
   BYTESCALE_NO_CUDA=1   build the CPU-only extension even with a CUDA torch.
-  BYTESCALE_DEBUG=1     -O0 -g.
+  BYTESCALE_DEBUG=1     -O0 -g (a release build is -O3 -g0).
   MAX_JOBS=N            parallel compile jobs (ninja).
   TORCH_CUDA_ARCH_LIST  CUDA targets; default: the visible GPUs, or 8.0;9.0+PTX when none is visible.
 """
@@ -89,6 +89,9 @@ def build_extension():
     cxx_flags = [*opt, "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
     if not debug:
         cxx_flags += ["-march=x86-64-v2"] if os.uname().machine == "x86_64" else []
+        # Python's CFLAGS carry -g; with torch's headers it made every object ~16x larger and its
+        # compile ~30% slower (benchmarks/RESULTS.md, "Building"). Release builds go without.
+        cxx_flags += ["-g0"]
     define_macros = []
     include_dirs = [str(ROOT / "csrc")]
     library_dirs: list[str] = []
@@ -149,16 +152,17 @@ def build_extension():
     )
 
 
-def build_ext_class():
+def build_ext_class(root: Path = ROOT):
     """torch's BuildExtension with a build directory that survives and a link that is skipped
-    when nothing changed.
+    when nothing changed (``root``: the project's tree; tests/build/test_setup.py builds a small
+    extension with it).
 
     * ``pip install -e .`` (setuptools' editable_wheel) points ``build_temp`` at a fresh temporary
       directory on every run, so ninja found no earlier objects and recompiled every source, and
-      ccache missed too: Python's CFLAGS carry ``-g`` and ccache hashes the working directory
+      ccache missed as well: Python's CFLAGS carry ``-g`` and ccache hashes the working directory
       (ninja's, the temporary one) into the key of every ``-g`` compile. A ``build_temp`` outside
       the tree is therefore replaced by the tree's own ``build/temp.<platform>-<python>`` (where
-      ``python setup.py build_ext`` builds too).
+      ``python setup.py build_ext`` builds too), and release builds compile with ``-g0``.
     * torch sets ``force`` so that ninja, which tracks headers and command lines, decides what to
       compile; the link would then run every time. It runs only when an object is newer than the
       library or the link inputs (objects, flags, libraries, output) changed.
@@ -168,10 +172,10 @@ def build_ext_class():
     class BuildExt(BuildExtension):
         def finalize_options(self) -> None:
             super().finalize_options()
-            temp = Path(self.build_temp).resolve()
-            if temp != ROOT and ROOT not in temp.parents:
+            temp, top = Path(self.build_temp).resolve(), root.resolve()
+            if temp != top and top not in temp.parents:
                 tag = f"{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
-                self.build_temp = str(ROOT / "build" / f"temp.{tag}")
+                self.build_temp = str(top / "build" / f"temp.{tag}")
 
         def build_extension(self, ext) -> None:
             out = Path(self.get_ext_fullpath(ext.name)).resolve()

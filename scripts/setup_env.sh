@@ -55,9 +55,12 @@ if [ -n "$missing" ]; then
   $PY -m pip install -q $missing
 fi
 
-# ccache: C++ through Debian's compiler links, nvcc through PYTORCH_NVCC (setup.py). Set here, not
-# in a user's ccache.conf, so a clean machine (CI) behaves as a configured one.
+# ccache: C++ through Debian's compiler links (torch >= 2.13 also wraps the compilers itself), nvcc
+# through PYTORCH_NVCC (setup.py). base_dir set here, not in a user's ccache.conf, so that a clean
+# machine (CI) behaves as a configured one: paths inside the tree are hashed relative to it, so a
+# second clone finds the first one's objects (a user's CCACHE_BASEDIR wins).
 export PATH="/usr/lib/ccache:$PATH"
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$(pwd -P)}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 start=$(date +%s)
 log=$(mktemp)
@@ -76,7 +79,7 @@ sys.exit(0 if ok else 1)" "$here/bytescale/__init__.py") 2>/dev/null; then
 else
   echo "setup: building and installing bytescale (MAX_JOBS=$MAX_JOBS; the first build compiles every source)"
   what="built and installed"
-  cmd=("$PY" -m pip install --no-build-isolation --no-deps -e .)
+  cmd=("$PY" -m pip install -v --no-build-isolation --no-deps -e .)
 fi
 if ! "${cmd[@]}" >"$log" 2>&1; then
   echo "setup: building bytescale FAILED (${cmd[*]}); the end of the build log:" >&2
