@@ -126,8 +126,8 @@ def build_extension():
         # Link by soname so the process shares the libnccl.so.2 torch already loaded.
         extra_link += [f"-l:libnccl.so.2", f"-Wl,-rpath,{lib}"]
         ext_cls = cpp_extension.CUDAExtension
-        # nvcc through ccache: torch >= 2.13 wraps it itself, older versions only through
-        # PYTORCH_NVCC (used as given in build.ninja). TORCH_NO_COMPILER_WRAPPER=1 turns both off.
+        # nvcc through ccache: recent torch (2.14.1 here) wraps it itself, older versions only
+        # through PYTORCH_NVCC (used as given in build.ninja). TORCH_NO_COMPILER_WRAPPER=1: neither.
         ccache = shutil.which("ccache")
         if ccache and "PYTORCH_NVCC" not in os.environ and not os.environ.get("TORCH_NO_COMPILER_WRAPPER"):
             os.environ["PYTORCH_NVCC"] = shlex.join([ccache, str(Path(cuda_home) / "bin" / "nvcc")])

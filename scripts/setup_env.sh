@@ -86,5 +86,5 @@ if ! "${cmd[@]}" >"$log" 2>&1; then
   grep -v "^\s*$" "$log" | tail -n 60 >&2
   exit 1
 fi
-compiled=$(grep -cE "^\[[0-9]+/[0-9]+\] .*(c\+\+|nvcc)" "$log" || true)
-$PY -c "import bytescale, bytescale._C as C; print('setup: bytescale', bytescale.__version__, 'cuda' if C.with_cuda else 'cpu-only', '$what in', $(date +%s) - $start, 's ($compiled compiled)', 'from', bytescale.__file__.rsplit('/', 2)[0])"
+compiled=$(grep -cE "^\s*\[[0-9]+/[0-9]+\] " "$log" || true)  # ninja's steps: one per compiled source
+$PY -c "import bytescale, bytescale._C as C; print('setup: bytescale', bytescale.__version__, 'cuda' if C.with_cuda else 'cpu-only', '$what in', $(date +%s) - $start, 's ($compiled sources compiled)', 'from', bytescale.__file__.rsplit('/', 2)[0])"
