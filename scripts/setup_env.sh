@@ -55,7 +55,7 @@ if [ -n "$missing" ]; then
   $PY -m pip install -q $missing
 fi
 
-# ccache: C++ through Debian's compiler links (torch >= 2.13 also wraps the compilers itself), nvcc
+# ccache: C++ through Debian's compiler links (recent torch also wraps compilers itself), nvcc
 # through PYTORCH_NVCC (setup.py). base_dir set here, not in a user's ccache.conf, so that a clean
 # machine (CI) behaves as a configured one: paths inside the tree are hashed relative to it, so a
 # second clone finds the first one's objects (a user's CCACHE_BASEDIR wins).
@@ -64,7 +64,7 @@ export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$(pwd -P)}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 start=$(date +%s)
 log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+trap 'rm -f "$log" "$log.t" "$log.c"' EXIT
 # Installed from this tree already (an editable install whose bytescale is ours)? Then bring the
 # build up to date in place; otherwise install (the first build). Checked outside the tree and
 # without PYTHONPATH, so only a real installation counts.
@@ -81,10 +81,17 @@ else
   what="built and installed"
   cmd=("$PY" -m pip install -v --no-build-isolation --no-deps -e .)
 fi
+# CPU seconds (user + sys) of this shell's finished children, from bash's `times` (run in this
+# shell: a subshell would count its own children only)
+children_cpu() { times >"$log.t"; tail -n 1 "$log.t" | awk '{ t = 0; for (i = 1; i <= NF; i++) { split($i, a, /[ms]/); t += a[1] * 60 + a[2] } printf "%d", t }' >"$log.c"; }
+children_cpu
+cpu0=$(cat "$log.c")
 if ! "${cmd[@]}" >"$log" 2>&1; then
   echo "setup: building bytescale FAILED (${cmd[*]}); the end of the build log:" >&2
   grep -v "^\s*$" "$log" | tail -n 60 >&2
   exit 1
 fi
 compiled=$(grep -cE "^\s*\[[0-9]+/[0-9]+\] " "$log" || true)  # ninja's steps: one per compiled source
-$PY -c "import bytescale, bytescale._C as C; print('setup: bytescale', bytescale.__version__, 'cuda' if C.with_cuda else 'cpu-only', '$what in', $(date +%s) - $start, 's ($compiled sources compiled)', 'from', bytescale.__file__.rsplit('/', 2)[0])"
+children_cpu
+cpu=$(( $(cat "$log.c") - cpu0 ))
+$PY -c "import bytescale, bytescale._C as C; print('setup: bytescale', bytescale.__version__, 'cuda' if C.with_cuda else 'cpu-only', '$what in', $(date +%s) - $start, 's ($compiled sources compiled, $cpu s of CPU)', 'from', bytescale.__file__.rsplit('/', 2)[0])"
