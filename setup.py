@@ -162,7 +162,9 @@ def build_ext_class(root: Path = ROOT):
       ccache missed as well: Python's CFLAGS carry ``-g`` and ccache hashes the working directory
       (ninja's, the temporary one) into the key of every ``-g`` compile. A ``build_temp`` outside
       the tree is therefore replaced by the tree's own ``build/temp.<platform>-<python>`` (where
-      ``python setup.py build_ext`` builds too), and release builds compile with ``-g0``.
+      ``python setup.py build_ext`` builds too), and release builds compile with ``-g0``. The
+      library is linked in ``build/lib.<platform>-<python>`` for the same reason (then copied into
+      the package, which is what the editable install imports).
     * torch sets ``force`` so that ninja, which tracks headers and command lines, decides what to
       compile; the link would then run every time. It runs only when an object is newer than the
       library or the link inputs (objects, flags, libraries, output) changed.
@@ -172,10 +174,12 @@ def build_ext_class(root: Path = ROOT):
     class BuildExt(BuildExtension):
         def finalize_options(self) -> None:
             super().finalize_options()
-            temp, top = Path(self.build_temp).resolve(), root.resolve()
-            if temp != top and top not in temp.parents:
-                tag = f"{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
-                self.build_temp = str(top / "build" / f"temp.{tag}")
+            top = root.resolve()
+            tag = f"{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+            for attr, name in (("build_temp", "temp"), ("build_lib", "lib")):
+                path = Path(getattr(self, attr)).resolve()
+                if path != top and top not in path.parents:
+                    setattr(self, attr, str(top / "build" / f"{name}.{tag}"))
 
         def build_extension(self, ext) -> None:
             out = Path(self.get_ext_fullpath(ext.name)).resolve()
