@@ -365,7 +365,9 @@ class Trainer:
             dist.all_gather(table, mine)
             t = torch.stack(table)
             step_time = float(t[:, 4].max())
-            flops = self.info.flops.step_flops(self.source.lengths.get(step.index, ()))
+            lengths = self.source.lengths.get(step.index, ())
+            flops = self.info.flops.step_flops(lengths)
+            rings = step.plan.ring_sizes()  # batch position -> ranks, sharded sequences only
             rec = {"step": step.index, "loss": float(t[:, 0].sum()), "aux_loss": float(t[:, 1].sum()),
                    "lr": out["lr"], "grad_norm": out["grad_norm"], "tokens": step.global_tokens,
                    "documents": len(step.sample_ids), "step_time_s": step_time,
@@ -375,7 +377,9 @@ class Trainer:
                    "compute_s": float(t[:, 2].max()),  # the micro-batch loop (fwd+bwd+grad sync) of the slowest rank
                    "imbalance": float(t[:, 2].max() / max(float(t[:, 2].mean()), 1e-12)),
                    "micro_batches": [int(x) for x in t[:, 5].tolist()],
-                   "ring_sizes": sorted(step.plan.ring_sizes().values(), reverse=True)[:8]}
+                   "ring_sizes": sorted(rings.values(), reverse=True)[:8],
+                   "sequences": len(lengths), "sharded_sequences": len(rings),
+                   "sharded_tokens": int(sum(lengths[i] for i in rings if i < len(lengths)))}
             self.logger.log(rec, step.plan.summary())
             self.step += 1
             if self.checkpointer is not None:
