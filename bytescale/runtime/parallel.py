@@ -52,9 +52,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
 
 
+def _same_layout(p: nn.Parameter) -> bool:
+    """Whether ``p.grad`` is laid out like ``p`` (a tensor-parallel embedding's gradient comes back
+    replicated while its weight is sharded)."""
+    g = p.grad
+    return not hasattr(p, "placements") or g is None or tuple(g.placements) == tuple(p.placements)
+
+
+def _grad_local(p: nn.Parameter) -> torch.Tensor:
+    """``p.grad``'s values for ``p``'s local shard (taken from a differently laid out gradient)."""
+    g = p.grad
+    if not _same_layout(p):
+        g = g.redistribute(p.device_mesh, p.placements)
+    return _local(g)
+
+
 def _set_grad(p: nn.Parameter, g: torch.Tensor) -> None:
     """``p.grad`` = ``g`` (a local tensor), wrapped like ``p`` when ``p`` is a DTensor."""
-    if p.grad is not None:
+    if p.grad is not None and _same_layout(p):
         _local(p.grad).copy_(g)
     elif hasattr(p, "placements"):
         from torch.distributed.tensor import DTensor
@@ -245,7 +260,7 @@ class HybridDataParallel(nn.Module):
             if p.grad is None:
                 view.zero_()
             else:
-                view.copy_(_local(p.grad).reshape(-1))
+                view.copy_(_grad_local(p).reshape(-1))
         b.buffer = buf
         b.work = dist.all_reduce(buf, group=self.process_group, async_op=True)
         b.launched = True
