@@ -62,7 +62,7 @@ def _reference(cfg: LlamaConfig, hdp: int):
         (loss + aux).backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         batches.append(ids)
     return [p.detach() for p in model.parameters()], losses, batches
 
@@ -101,7 +101,7 @@ def _tp_worker(rank, world, cfg_dict, tp, sp, fsdp):
                                     global_tokens=step.global_tokens, return_aux=True)
                 loss = local_tensor(token_level_loss(logits, mb.labels, step.global_loss_tokens))
                 (loss + aux).backward()
-            loss_sum += float(loss)
+            loss_sum += float(loss.detach())
         model.finish_step()
         opt.step()
         opt.zero_grad()
