@@ -17,7 +17,7 @@ import pytest
 
 from train_launch import jsonl, launch, ok
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1800)]
 
 STEPS = 6
 COMMON = ["--data", "synthetic:byted", "--synthetic-docs", "400", "--synthetic-scale", "0.0005",
