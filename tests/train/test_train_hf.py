@@ -71,8 +71,8 @@ def _model(family):
                                                          dtype=torch.float64, **kw)
 
 
-def _loader(world, rank=0, **kw):
-    return HDPLoader(SyntheticTokens(LENGTHS, vocab_size=V, seed=2), PlannerConfig(CAPACITY),
+def _loader(world, rank=0, capacity=CAPACITY, **kw):
+    return HDPLoader(SyntheticTokens(LENGTHS, vocab_size=V, seed=2), PlannerConfig(capacity),
                      LoaderConfig(TOKENS_PER_BATCH, seed=1, max_steps=STEPS, **kw), rank=rank, world_size=world)
 
 
@@ -144,7 +144,7 @@ def _hdp_tp(rank, world, families):
         model = HybridDataParallel(net, process_group=mesh.group("hdp"), config=RuntimeConfig(bucket_cap_mb=0.01))
         opt = torch.optim.SGD(model.parameters(), lr=0.3)
         steps = []
-        for step in _loader(world, rank):  # plans mesh.units: 2 units of 2 TP ranks
+        for step in _loader(world, rank, capacity=2 * CAPACITY):  # plans mesh.units: 2 units of 2 TP ranks
             mbs = step.micro_batches
             for i, mb in enumerate(mbs):
                 with model.micro_batch(mb, last=i == len(mbs) - 1):
@@ -161,6 +161,7 @@ def _hdp_tp(rank, world, families):
     return out
 
 
+@pytest.mark.timeout(1200)
 def test_hf_models_under_hdp2_tp2_with_their_tp_plans_match_single_process():
     families = ("llama", "qwen2")
     per_rank = run_distributed(_hdp_tp, 4, families, timeout=400)
