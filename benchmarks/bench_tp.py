@@ -28,6 +28,7 @@ def _run(tmp: Path, name: str, args, extra) -> dict:
            "-m", "bytescale.train", "--data", args.data, "--model", args.model, "--steps", str(args.steps),
            "--capacity", str(args.capacity), "--tokens-per-batch", str(args.tokens_per_batch),
            "--synthetic-docs", "2000", "--synthetic-scale", str(args.scale), "--progress=false",
+           "--max-length", str(args.capacity * 2),  # the same documents for 2 units and 4 ranks
            "--metrics", str(metrics), "--plot", str(tmp / f"{name}.png"), *extra]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     load0 = os.getloadavg()[0]
