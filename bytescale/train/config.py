@@ -236,9 +236,9 @@ class TrainConfig:
                               f"(strategy is {self.hdp.strategy!r})")
         if self.hdp.sequence_parallel and self.hdp.tp == 1:
             raise ConfigError("hdp.sequence_parallel needs hdp.tp > 1 (--tp)")
-        if self.hdp.tp > 1 and self.hdp.strategy == "static":
-            raise ConfigError(f"hdp.strategy=static with hdp.tp={self.hdp.tp}: the static DP x CP baseline "
-                              "plans ranks, not HDP units")
+        if self.hdp.offload and self.hdp.strategy == "static":
+            raise ConfigError("hdp.offload (--offload) does not apply to hdp.strategy=static (the DP x CP "
+                              "baseline does not offload)")
         if self.train.stop_after > self.train.steps:
             raise ConfigError(f"train.stop_after {self.train.stop_after} is beyond train.steps {self.train.steps}")
         if not 0 < self.data.length_scale <= 1:

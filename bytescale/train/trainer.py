@@ -111,7 +111,8 @@ class Trainer:
     def _build(self) -> None:
         from .. import init_mesh
         from .config import loader_config, planner_config
-        from ..data import DatasetSource, HDPLoader, static_cp_degree
+        from ..data import DatasetSource, HDPLoader
+        from ..planner import static_cp_degree
 
         cfg = self.cfg
         try:
