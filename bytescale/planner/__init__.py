@@ -13,7 +13,7 @@ micro-batch starts only when all members of its group are free and ends on all o
 
 Strategies: ``"balanced"`` (ours, sync-aware: rings placed on a timeline of when ranks become free,
 any-integer ring sizes chosen by cost, short sequences fitted into the waits and tails; never worse
-than pow2 under the replay), ``"naive"`` (the paper's Alg. 1: memory-driven, token-balanced) and
+than pow2 under the replay; small instances refined by a budgeted search over list schedules), ``"naive"`` (the paper's Alg. 1: memory-driven, token-balanced) and
 ``"pow2"`` (Megatron-style dynamic CP: D rounded up to a power of two) for comparison.
 """
 from __future__ import annotations
@@ -156,6 +156,8 @@ class Plan:
 
     @property
     def strategy(self) -> str:
+        """The strategy that built this plan: ``"pow2"`` when ``"balanced"`` kept the power-of-two
+        plan because it replays shorter."""
         return self._p.strategy
 
     @property
