@@ -6,7 +6,7 @@ Subsystems (Python mirrors csrc/): :mod:`bytescale.comm` (backend, dynamic group
 :mod:`bytescale.attention` (zig-zag layout, ring and varlen attention, the entry point models
 call), :mod:`bytescale.planner` (the C++ HDP planner, micro-batch plans, the device profiler),
 :mod:`bytescale.runtime` (HybridDataParallel, token-level loss, offloading),
-:mod:`bytescale.data` (datasets, the loader, the static baseline), :mod:`bytescale.models`
+:mod:`bytescale.data` (datasets, the data service, the loader), :mod:`bytescale.models`
 (a Llama, the HF transformers integration); options in :mod:`bytescale.config`.
 """
 from __future__ import annotations

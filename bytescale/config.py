@@ -21,8 +21,10 @@ class PlannerConfig:
     capacity: tokens per micro-batch per rank (before ``memory`` multipliers).
     strategy: "balanced" (ours), "naive" (paper Alg. 1), "pow2" (Megatron-style dynamic CP) or
         "static" (the DP x CP baseline: one CP degree for every sequence, ``static_cp`` or the
-        smallest power of two holding the longest sequence).
-    offload: let long sequences offload activations (paper Eq. 3) to use fewer ranks.
+        smallest power of two holding the step's longest sequence); all are C++ planner strategies
+        returning the same :class:`bytescale.planner.Plan`.
+    offload: let long sequences offload activations (paper Eq. 3) to use fewer ranks (not with
+        "static": the baseline does not offload).
     cost: a CostModel, a JSON profile path, a dict of coefficients, or None (defaults).
     speed, memory: per-rank relative speed and capacity multipliers (heterogeneous clusters).
     """
@@ -42,17 +44,20 @@ class PlannerConfig:
             raise ValueError(f"PlannerConfig.strategy {self.strategy!r} is not one of {STRATEGIES}")
         if self.static_cp is not None and self.strategy != "static":
             raise ValueError("PlannerConfig.static_cp applies to strategy='static' only")
+        if self.static_cp is not None and (isinstance(self.static_cp, bool) or not isinstance(self.static_cp, int)
+                                           or self.static_cp < 1):
+            raise ValueError(f"PlannerConfig.static_cp must be an integer >= 1 (or None), got {self.static_cp!r}")
+        if self.strategy == "static" and self.offload:
+            raise ValueError("PlannerConfig: strategy='static' (the DP x CP baseline) does not offload; "
+                             "set offload=False or choose an HDP strategy")
 
     def plan(self, lengths, world_size: int):
-        """Plan one global batch of ``lengths`` over ``world_size`` ranks."""
-        if self.strategy == "static":
-            from .data.baselines import static_cp_plan
-
-            return static_cp_plan(lengths, world_size, self.capacity, self.static_cp)
+        """Plan one global batch of ``lengths`` over ``world_size`` ranks (:func:`bytescale.plan`)."""
         from .planner import plan
 
         return plan(lengths, world_size=world_size, capacity=self.capacity, strategy=self.strategy,
-                    offload=self.offload, cost=self.cost, speed=self.speed, memory=self.memory)
+                    offload=self.offload, cost=self.cost, speed=self.speed, memory=self.memory,
+                    static_cp=self.static_cp)
 
 
 @dataclass(frozen=True)

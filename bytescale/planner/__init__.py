@@ -13,8 +13,12 @@ micro-batch starts only when all members of its group are free and ends on all o
 
 Strategies: ``"balanced"`` (ours, sync-aware: rings placed on a timeline of when ranks become free,
 any-integer ring sizes chosen by cost, short sequences fitted into the waits and tails; never worse
-than pow2 under the replay; small instances refined by a budgeted search over list schedules), ``"naive"`` (the paper's Alg. 1: memory-driven, token-balanced) and
-``"pow2"`` (Megatron-style dynamic CP: D rounded up to a power of two) for comparison.
+than pow2 under the replay; small instances refined by a budgeted search over list schedules),
+``"naive"`` (the paper's Alg. 1: memory-driven, token-balanced),
+``"pow2"`` (Megatron-style dynamic CP: D rounded up to a power of two) and ``"static"`` (the static
+DP x CP baseline: one CP degree, :func:`static_cp_degree` or ``static_cp``, every sequence sharded
+over its replica's CP group, several sequences packed into one ring micro-batch) for comparison.
+Every strategy returns the same :class:`Plan`.
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ from .. import _C
 
 from .types import DocRef, MicroBatchPlan
 
-__all__ = ["CostModel", "Plan", "DocRef", "MicroBatchPlan", "Replay", "load_cost_model", "plan", "profile"]
+__all__ = ["CostModel", "Plan", "DocRef", "MicroBatchPlan", "Replay", "load_cost_model", "plan", "profile",
+           "static_cp_degree"]
 
 CostModel = _C.planner.CostModel
 
@@ -310,12 +315,28 @@ def _lengths_array(lengths: Union[Sequence[int], np.ndarray]) -> np.ndarray:
     return np.ascontiguousarray(arr.astype(np.int64))
 
 
+def static_cp_degree(longest: int, capacity: int, world_size: int) -> int:
+    """The static DP x CP baseline's CP degree: the smallest power of two ``cp`` with
+    ``cp * capacity >= longest`` (C++, ``csrc/planner/static_cp.cpp``).
+
+    Raises:
+        ValueError: the degree exceeds ``world_size`` (naming the values), or a bad argument.
+    """
+    if isinstance(longest, (bool, np.bool_)) or not isinstance(longest, (int, np.integer)) or longest < 0:
+        raise ValueError(f"static_cp_degree: longest must be an integer >= 0, got {longest!r}")
+    return int(_C.planner.static_cp_degree(int(longest), _positive_int("capacity", capacity),
+                                           _positive_int("world_size", world_size)))
+
+
 def _options(world_size: int, capacity: int, strategy: str, offload: bool, cost: Any,
-             speed: Optional[Sequence[float]], memory: Optional[Sequence[float]]) -> "_C.planner.PlanOptions":
+             speed: Optional[Sequence[float]], memory: Optional[Sequence[float]],
+             static_cp: Optional[int] = None) -> "_C.planner.PlanOptions":
     o = _C.planner.PlanOptions()
     o.world_size = _positive_int("world_size", world_size)
     o.capacity = _positive_int("capacity", capacity)
     o.strategy = strategy
+    if static_cp is not None:
+        o.static_cp = _positive_int("static_cp", static_cp)
     o.offload = bool(offload)
     o.cost = cost if isinstance(cost, CostModel) else load_cost_model(cost)
     if speed is not None:
@@ -335,6 +356,7 @@ def plan(
     speed: Optional[Sequence[float]] = None,
     memory: Optional[Sequence[float]] = None,
     verify: bool = False,
+    static_cp: Optional[int] = None,
 ) -> Plan:
     """Plan one global batch.
 
@@ -346,19 +368,21 @@ def plan(
             plans refer to positions.
         world_size: HDP ranks (an integer >= 1).
         capacity: tokens per micro-batch per rank (before ``memory`` multipliers; integer >= 1).
-        strategy: "balanced" | "naive" | "pow2".
+        strategy: "balanced" | "naive" | "pow2" | "static".
         offload: let long sequences offload activations (paper Eq. 3) to use fewer ranks.
         cost: a CostModel, a JSON profile path, a dict of coefficients, or None (defaults).
         speed: per-rank relative speeds (heterogeneous clusters).
         memory: per-rank capacity multipliers.
         verify: re-check every invariant in C++ after planning (tests, debugging).
+        static_cp: strategy "static" only: the CP degree (must divide ``world_size``; default: the
+            smallest power of two holding the batch's longest sequence at the smallest capacity).
     Raises:
         ValueError: bad input, naming the index/field and value (a length that is not an integer
             >= 1, a NaN or negative cost coefficient, world size 0, a sequence needing more ranks
-            than exist, ...).
+            than exist, a static CP degree that does not divide the world, ...).
     """
     arr = _lengths_array(lengths)
-    opts = _options(world_size, capacity, strategy, offload, cost, speed, memory)
+    opts = _options(world_size, capacity, strategy, offload, cost, speed, memory, static_cp)
     p = Plan(_C.planner.make_plan(arr, opts), arr)
     if verify:
         p.raw.verify(arr.tolist(), opts)

@@ -175,6 +175,9 @@ class TrainConfig:
         if self.hdp.static_cp and self.hdp.strategy != "static":
             raise ConfigError(f"hdp.static_cp={self.hdp.static_cp} applies to hdp.strategy=static only "
                               f"(strategy is {self.hdp.strategy!r})")
+        if self.hdp.offload and self.hdp.strategy == "static":
+            raise ConfigError("hdp.offload (--offload) does not apply to hdp.strategy=static (the DP x CP "
+                              "baseline does not offload)")
         if self.train.stop_after > self.train.steps:
             raise ConfigError(f"train.stop_after {self.train.stop_after} is beyond train.steps {self.train.steps}")
         if not 0 < self.data.length_scale <= 1:

@@ -109,7 +109,8 @@ class Trainer:
     # -- construction ---------------------------------------------------------------------------
     def _build(self) -> None:
         from .. import LoaderConfig, PlannerConfig
-        from ..data import DatasetSource, HDPLoader, static_cp_degree
+        from ..data import DatasetSource, HDPLoader
+        from ..planner import static_cp_degree
 
         cfg = self.cfg
         self.resume_path, self.max_length = self._find_resume_point()

@@ -114,6 +114,10 @@ void bind_planner(py::module_& m) {
       },
       py::arg("cost"), py::arg("length"), py::arg("capacity"),
       "Eq. 3: (ranks, offload ratio) for one sequence.");
+  m.def("static_cp_degree", &planner::staticCpDegree, py::arg("longest"), py::arg("capacity"),
+        py::arg("world_size"),
+        "The static DP x CP baseline's CP degree: the smallest power of two cp with cp x capacity >= "
+        "longest; ValueError when it exceeds world_size.");
   m.def("ranks_without_offload", &planner::ranksWithoutOffload, py::arg("cost"), py::arg("length"),
         py::arg("capacity"));
 
@@ -225,6 +229,8 @@ void bind_planner(py::module_& m) {
       .def_readwrite("memory", &PlanOptions::memory)
       .def_readwrite("cost", &PlanOptions::cost)
       .def_readwrite("offload", &PlanOptions::offload)
+      .def_readwrite("static_cp", &PlanOptions::static_cp,
+                     "strategy 'static': the CP degree (0: sized for the step's longest sequence)")
       .def_property(
           "strategy", [](const PlanOptions& o) { return planner::strategyName(o.strategy); },
           [](PlanOptions& o, const std::string& s) { o.strategy = planner::parseStrategy(s); });
