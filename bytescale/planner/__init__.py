@@ -19,7 +19,8 @@ indexed by rank in the plan's arrays (``idle``, ``rank_cost``, ``num_micro_batch
 
 Strategies: ``"balanced"`` (ours, sync-aware: rings placed on a timeline of when ranks become free,
 any-integer ring sizes chosen by cost, short sequences fitted into the waits and tails; never worse
-than pow2 under the replay), ``"naive"`` (the paper's Alg. 1: memory-driven, token-balanced),
+than pow2 under the replay; small instances refined by a budgeted search over list schedules),
+``"naive"`` (the paper's Alg. 1: memory-driven, token-balanced),
 ``"pow2"`` (Megatron-style dynamic CP: D rounded up to a power of two) and ``"static"`` (the static
 DP x CP baseline: one CP degree, :func:`static_cp_degree` or ``static_cp``, every sequence sharded
 over its replica's CP group, several sequences packed into one ring micro-batch) for comparison.
@@ -185,6 +186,8 @@ class Plan:
 
     @property
     def strategy(self) -> str:
+        """The strategy that built this plan: ``"pow2"`` when ``"balanced"`` kept the power-of-two
+        plan because it replays shorter."""
         return self._p.strategy
 
     @property
