@@ -14,7 +14,7 @@ from .source import BatchSource, DatasetSource, GlobalBatch
 from .synthetic import corpus_stats, global_batch_lengths, sample_lengths
 from .token_store import TokenStore, TokenStoreWriter
 from .tokenizer import ByteTokenizer, load_tokenizer
-from .types import IGNORE_INDEX, MicroBatch, Step
+from ..runtime.types import IGNORE_INDEX, MicroBatch, Step  # moved to bytescale.runtime; kept here
 
 __all__ = [
     "InMemoryTokens", "SyntheticTokens", "TokenDataset", "GlobalBatchSampler", "HDPLoader",

@@ -11,9 +11,16 @@ The model of a step (the runtime executes exactly this, and the planner optimise
 runs its micro-batches in the plan's order; a local micro-batch starts when its rank is free; a ring
 micro-batch starts only when all members of its group are free and ends on all of them together.
 
+With tensor parallelism the planner's ranks are HDP *units* (:class:`UnitMap`): a plan carries the
+map from unit to global ranks, ``plan.micro_batches(rank)`` takes a GLOBAL rank and returns its
+unit's micro-batches with each ring translated to the ranks of that rank's TP index. Everything
+indexed by rank in the plan's arrays (``idle``, ``rank_cost``, ``num_micro_batches``,
+``world_size``) is indexed by unit.
+
 Strategies: ``"balanced"`` (ours, sync-aware: rings placed on a timeline of when ranks become free,
 any-integer ring sizes chosen by cost, short sequences fitted into the waits and tails; never worse
-than pow2 under the replay), ``"naive"`` (the paper's Alg. 1: memory-driven, token-balanced),
+than pow2 under the replay; small instances refined by a budgeted search over list schedules),
+``"naive"`` (the paper's Alg. 1: memory-driven, token-balanced),
 ``"pow2"`` (Megatron-style dynamic CP: D rounded up to a power of two) and ``"static"`` (the static
 DP x CP baseline: one CP degree, :func:`static_cp_degree` or ``static_cp``, every sequence sharded
 over its replica's CP group, several sequences packed into one ring micro-batch) for comparison.
@@ -32,9 +39,10 @@ import numpy as np
 from .. import _C
 
 from .types import DocRef, MicroBatchPlan
+from .units import UnitMap
 
-__all__ = ["CostModel", "Plan", "DocRef", "MicroBatchPlan", "Replay", "load_cost_model", "plan", "profile",
-           "static_cp_degree"]
+__all__ = ["CostModel", "Plan", "DocRef", "MicroBatchPlan", "Replay", "UnitMap", "load_cost_model", "plan",
+           "profile", "static_cp_degree"]
 
 CostModel = _C.planner.CostModel
 
@@ -90,12 +98,30 @@ class Plan:
     every member lists a group's ring micro-batches in the same relative order (global ring id).
     """
 
-    def __init__(self, cplan: "_C.planner.Plan", lengths: Optional[np.ndarray] = None) -> None:
+    def __init__(self, cplan: "_C.planner.Plan", lengths: Optional[np.ndarray] = None,
+                 units: Optional[UnitMap] = None) -> None:
         self._p = cplan
         if lengths is None:  # every token is held exactly once: lengths are the segments' sums
             lengths = np.bincount(np.asarray(cplan.seg_seq), weights=np.asarray(cplan.seg_tokens),
                                   minlength=int(cplan.num_sequences)).astype(np.int64)
         self.lengths = lengths
+        self.units = self.check_units(units, cplan.world_size)
+
+    @staticmethod
+    def check_units(units: Optional[UnitMap], world_size: int) -> UnitMap:
+        """``units`` (default: one rank per unit) checked against a plan of ``world_size`` units."""
+        if units is None:
+            return UnitMap.identity(world_size)
+        if not isinstance(units, UnitMap):
+            raise TypeError(f"Plan: units must be a bytescale.planner.UnitMap, got {type(units).__name__}")
+        if units.num_units != world_size:
+            raise ValueError(f"Plan: the plan is for {world_size} HDP units but the unit map has "
+                             f"{units.num_units} ({units.describe()})")
+        return units
+
+    def with_units(self, units: Optional[UnitMap]) -> "Plan":
+        """The same plan over another map of its units to global ranks."""
+        return Plan(self._p, self.lengths, units)
 
     # predictions (the default cost model's, or the profile's)
     @property
@@ -160,6 +186,8 @@ class Plan:
 
     @property
     def strategy(self) -> str:
+        """The strategy that built this plan: ``"pow2"`` when ``"balanced"`` kept the power-of-two
+        plan because it replays shorter."""
         return self._p.strategy
 
     @property
@@ -185,32 +213,39 @@ class Plan:
         return _C.planner.lockstep(self._p)
 
     def lockstep_micro_batches(self, rank: int, sample_ids: Optional[Sequence[int]] = None) -> List[MicroBatchPlan]:
-        """Rank ``rank``'s micro-batches by lockstep slot (:meth:`lockstep`): an empty
-        :class:`MicroBatchPlan` for a padding slot; ``index`` is the slot."""
+        """Global rank ``rank``'s micro-batches by lockstep slot (:meth:`lockstep`, slots of its
+        unit): an empty :class:`MicroBatchPlan` for a padding slot; ``index`` is the slot."""
+        unit = self.units.unit_of(rank)
         slots = self.lockstep()
         mine = self.micro_batches(rank, sample_ids)
-        base = int(self._p.rank_mb[rank])
+        base = int(self._p.rank_mb[unit])
         return [MicroBatchPlan(rank, k) if m < 0 else replace(mine[int(m) - base], index=k)
-                for k, m in enumerate(slots[rank].tolist())]
+                for k, m in enumerate(slots[unit].tolist())]
 
     def num_micro_batches(self, rank: Optional[int] = None) -> Union[int, np.ndarray]:
         counts = np.diff(self._p.rank_mb)
         return counts if rank is None else int(counts[rank])
 
     def micro_batches(self, rank: int, sample_ids: Optional[Sequence[int]] = None) -> List[MicroBatchPlan]:
-        """Rank ``rank``'s micro-batches in execution order, read straight from the plan's arrays.
+        """Global rank ``rank``'s micro-batches in execution order, read straight from the plan's
+        arrays: those of its HDP unit, each ring over the ranks of its TP index.
 
         ``sample_ids`` (the batch's dataset ids, by position) fills each document's ``sample_id``.
         """
         p = self._p
-        if not 0 <= rank < p.world_size:
-            raise IndexError(f"Plan.micro_batches: rank {rank} outside [0, {p.world_size})")
+        if self.units.is_identity:
+            if not 0 <= rank < p.world_size:
+                raise IndexError(f"Plan.micro_batches: rank {rank} outside [0, {p.world_size})")
+            unit, tp_index = rank, 0
+        else:
+            unit, tp_index = self.units.locate(rank)
+        units = self.units
         lengths = self.lengths
         rank_mb, mb_seg = p.rank_mb, p.mb_seg
         seg_seq, seg_size, seg_pos = p.seg_seq, p.seg_ring_size, p.seg_ring_pos
         grp, ring_grp, ring_ids, ratio, cost = p.grp_ranks, p.ring_grp, p.mb_ring, p.mb_offload, p.mb_cost
         out = []
-        for i, m in enumerate(range(int(rank_mb[rank]), int(rank_mb[rank + 1]))):
+        for i, m in enumerate(range(int(rank_mb[unit]), int(rank_mb[unit + 1]))):
             local, sharded, pos = [], [], 0
             for k in range(int(mb_seg[m]), int(mb_seg[m + 1])):
                 bp = int(seg_seq[k])
@@ -221,7 +256,8 @@ class Plan:
                 else:
                     local.append(ref)
             rid = int(ring_ids[m])
-            ring = () if rid < 0 else tuple(int(r) for r in grp[int(ring_grp[rid]):int(ring_grp[rid + 1])])
+            ring = () if rid < 0 else units.ring(grp[int(ring_grp[rid]):int(ring_grp[rid + 1])].tolist(),
+                                                 tp_index)
             out.append(MicroBatchPlan(rank=rank, index=i, local=tuple(local), sharded=tuple(sharded),
                                       ring=ring, ring_pos=pos, ring_id=int(ring_ids[m]),
                                       offload_ratio=float(ratio[m]), predicted_time=float(cost[m])))
@@ -244,7 +280,9 @@ class Plan:
     def summary(self) -> str:
         mbs = self.num_micro_batches()
         rings = self.ring_sizes()
-        return (f"plan[{self.strategy}] ranks={self.world_size} micro-batches/rank "
+        where = (f"ranks={self.world_size}" if self.units.tp == 1 else
+                 f"units={self.world_size} x tp={self.units.tp}")
+        return (f"plan[{self.strategy}] {where} micro-batches/{'rank' if self.units.tp == 1 else 'unit'} "
                 f"min={int(mbs.min()) if len(mbs) else 0} max={int(mbs.max()) if len(mbs) else 0} "
                 f"sharded={len(rings)} ring sizes={sorted(rings.values(), reverse=True)[:8]} "
                 f"predicted step={self.makespan * 1e3:.2f} ms (busiest rank {self.max_busy * 1e3:.2f} ms, "
@@ -345,7 +383,7 @@ def _options(world_size: int, capacity: int, strategy: str, offload: bool, cost:
 
 def plan(
     lengths: Union[Sequence[int], np.ndarray],
-    world_size: int,
+    world_size: Union[int, UnitMap],
     capacity: int,
     strategy: str = "balanced",
     offload: bool = False,
@@ -363,8 +401,10 @@ def plan(
     Args:
         lengths: sequence lengths (integers >= 1; integral floats accepted), in batch order;
             plans refer to positions.
-        world_size: HDP ranks (an integer >= 1).
-        capacity: tokens per micro-batch per rank (before ``memory`` multipliers; integer >= 1).
+        world_size: HDP ranks (an integer >= 1), or a :class:`UnitMap` (HDP units of TP ranks: the
+            plan is over its units and carries it).
+        capacity: tokens per micro-batch per rank, or per unit (before ``memory`` multipliers;
+            integer >= 1).
         strategy: "balanced" | "naive" | "pow2" | "static".
         offload: let long sequences offload activations (paper Eq. 3) to use fewer ranks.
         cost: a CostModel, a JSON profile path, a dict of coefficients, or None (defaults).
@@ -378,9 +418,11 @@ def plan(
             >= 1, a NaN or negative cost coefficient, world size 0, a sequence needing more ranks
             than exist, a static CP degree that does not divide the world, ...).
     """
+    units = world_size if isinstance(world_size, UnitMap) else None
     arr = _lengths_array(lengths)
-    opts = _options(world_size, capacity, strategy, offload, cost, speed, memory, static_cp)
-    p = Plan(_C.planner.make_plan(arr, opts), arr)
+    opts = _options(units.num_units if units else world_size, capacity, strategy, offload, cost, speed, memory,
+                    static_cp)
+    p = Plan(_C.planner.make_plan(arr, opts), arr, units)
     if verify:
         p.raw.verify(arr.tolist(), opts)
     return p

@@ -4,11 +4,13 @@
         --context 2M --strategy all --json sim.json --png sim.png [--tp 4]
 
 Lengths come from a synthetic corpus (``--corpus byted|github``: one global batch of
-``--global-batch-tokens`` tokens, seeded) or a file (``--lengths FILE``: integers, one or more per
-line, ``#`` comments). Documents longer than ``--context`` are cut into pieces of at most that many
-tokens. ``--tp T`` makes an HDP unit of T GPUs of one node (tensor parallelism inside it; every
-strategy, the static DP x CP baseline included, plans the ``gpus / T`` units). The JSON holds, per
-strategy, ``step_time_s``, ``tokens_per_s``, ``mfu`` and the breakdown.
+``--global-batch-tokens`` tokens, seeded), a file (``--lengths FILE``: integers, one or more per
+line, ``#`` comments) or a token store (``--lengths DIR``, what ``bytescale.data.prepare`` writes:
+every document's length, the whole corpus as one global batch). Documents longer than
+``--context`` are cut into pieces of at most that many tokens. ``--tp T`` makes an HDP unit of T
+GPUs of one node (tensor parallelism inside it; every strategy, the static DP x CP baseline
+included, plans the ``gpus / T`` units). The JSON holds, per strategy, ``step_time_s``,
+``tokens_per_s``, ``mfu`` and the breakdown.
 """
 from __future__ import annotations
 
@@ -38,7 +40,23 @@ def parse_tokens(text: str, what: str = "context") -> int:
 
 
 def read_lengths(path: str) -> np.ndarray:
-    """Integers >= 1 from ``path`` (whitespace separated, ``#`` starts a comment)."""
+    """Integers >= 1 from ``path`` (whitespace separated, ``#`` starts a comment), or, for a token
+    store (a directory or a Megatron ``.idx``/``.bin`` prefix), its documents' lengths (empty
+    documents left out)."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir() or p.suffix == ".idx" or Path(path + ".idx").exists():
+        from ..data.token_store import TokenStore
+
+        try:
+            lens = TokenStore(path).lengths
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--lengths {path}: {e}") from None
+        lens = lens[lens > 0]
+        if not lens.size:
+            raise ValueError(f"--lengths {path}: the token store holds no tokens")
+        return np.asarray(lens, dtype=np.int64)
     try:
         with open(path) as f:
             lines = f.readlines()
@@ -60,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--corpus", help="synthetic corpus: byted or github")
-    src.add_argument("--lengths", help="file of sequence lengths (one global batch)")
+    src.add_argument("--lengths", help="file of sequence lengths (one global batch), or a token store "
+                     "directory (its documents' lengths)")
     p.add_argument("--model", default="llama-7b", help="llama-7b, llama-13b, llama-30b, llama-70b, "
                    "mistral-8x7b, mistral-8x22b (the paper's Table 1 shapes), a bytescale preset (tiny, "
                    "...) or an HF config.json path")

@@ -111,6 +111,9 @@ class SimResult:
                 "tp": self.tp, "gpus": self.gpus,
                 "micro_batches": self.schedule.num_micro_batches,
                 "micro_batches_per_rank_max": int(np.diff(self.schedule.rank_mb).max()) if self.world else 0,
+                # the layout: sequences (and tokens) in local micro-batches, i.e. not sharded
+                "local_sequences": int(self.schedule.mb_docs[self.schedule.mb_ring < 0].sum()),
+                "local_tokens": float(self.schedule.mb_tokens[self.schedule.mb_ring < 0].sum()),
                 **{k: (None if isinstance(v, float) and v != v else v) for k, v in self.info.items()}}
 
 

@@ -92,6 +92,19 @@ using LoadHeap = std::priority_queue<std::pair<double, int>, std::vector<std::pa
 // The sync-aware balanced strategy (balanced.cpp).
 Plan planBalanced(const Context& ctx, const BoundParts& bound);
 
+// Small instances (balanced.cpp): when `incumbent` is more than kRefineTolerance above the bound
+// and the instance is small (sequences x ranks <= kRefineCells), searches list schedules
+// (listsched.h) from it on a fixed budget; returns the shorter of the two.
+constexpr double kRefineTolerance = 0.005;
+constexpr double kRefineCells = 65536;
+constexpr size_t kRefineMixes = 1024;
+constexpr int64_t kRefinePlacements = 20000;
+constexpr int64_t kRefineMaxEvals = 4000;
+constexpr int kRefineSearchSequences = 8;  // the branch and bound's instances: few sequences
+constexpr int kRefineSearchRanks = 16;     // and ranks,
+constexpr int64_t kRefineNodes = 5000;    // its node budget
+Plan refineSmall(const Context& ctx, const BoundParts& bound, Plan incumbent);
+
 }  // namespace detail
 }  // namespace planner
 }  // namespace bytescale

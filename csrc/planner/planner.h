@@ -21,7 +21,9 @@
 //              rings first, locals after.
 //   balanced - ours, sync-aware (balanced.cpp): places rings on a timeline of when each rank is
 //              free, with ring sizes (any integer) chosen by cost so that members arrive together,
-//              then fits local sequences into the waits and tails that remain, longest first.
+//              then fits local sequences into the waits and tails that remain, longest first;
+//              keeps the pow2 plan when that replays shorter (Plan::strategy is then "pow2"); on
+//              small instances, then searches list schedules (listsched.h) on a fixed budget.
 //   pow2     - a Megatron-style dynamic CP baseline: like naive but D rounded up to a power of 2.
 //   static   - the static DP x CP baseline (Megatron-LM / TransformerEngine context parallelism,
 //              static_cp.cpp): one CP degree for the whole step (PlanOptions::static_cp, or the
@@ -83,7 +85,7 @@ struct PlanOptions {
 // Flat (structure-of-arrays) plan, cheap to serialise and to expose to Python without copies.
 struct Plan {
   int world_size = 0;
-  std::string strategy;
+  std::string strategy;  // the strategy that built this plan ("pow2" when balanced kept pow2's)
   // rank r's micro-batches are [rank_mb[r], rank_mb[r+1]), in execution order
   std::vector<int64_t> rank_mb;
   // micro-batch m: segments [mb_seg[m], mb_seg[m+1])

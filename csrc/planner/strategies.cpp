@@ -389,16 +389,21 @@ Plan makeFlat(const std::vector<int64_t>& lengths, const PlanOptions& opt, const
   if (opt.strategy != Strategy::kBalanced)
     return detail::tokenBalanced(ctx, opt.strategy).finish(bound);
   Plan p = detail::planBalanced(ctx, bound);
-  // Safety net: the pow2 plan is a candidate too (kept when its replayed step is shorter), so
-  // balanced is never worse than pow2. Skipped when balanced already meets the lower bound.
+  // Safety net: the pow2 plan is a candidate too (kept when its replayed step is shorter, and
+  // then named "pow2"), so balanced is never worse than pow2. Skipped when balanced already meets
+  // the lower bound.
   if (p.makespan > bound.value() * (1 + 1e-9) && ctx.W > 1) {
     detail::Builder q = detail::tokenBalanced(ctx, Strategy::kPow2);
     if (q.ringsFirstStep() < p.makespan * (1 - 1e-12)) {
       Plan alt = q.finish(bound);
-      if (alt.makespan < p.makespan) return alt;
+      if (alt.makespan < p.makespan) {
+        alt.strategy = strategyName(Strategy::kPow2);
+        p = std::move(alt);
+      }
     }
   }
-  return p;
+  // Small instances: a search over list schedules from the better of the two.
+  return detail::refineSmall(ctx, bound, std::move(p));
 }
 
 }  // namespace
