@@ -252,6 +252,8 @@ void bind_planner(py::module_& m) {
       "pipeline_replay() on raw schedule arrays (a pipelined plan's layout).");
   m.def("one_f_one_b", &planner::oneFOneB, py::arg("slots"), py::arg("stages"), py::arg("stage"),
         "The 1F1B operations of one stage: 2k = forward of slot k, 2k + 1 = its backward.");
+  m.def("stage_layers", &planner::stageLayers, py::arg("layers"), py::arg("stages"),
+        "Layers per pipeline stage; ValueError when the stages do not divide the layers.");
   m.def("check_pipeline_depth", &planner::checkPipelineDepth, py::arg("plan"), py::arg("stages"),
         "ValueError when the plan was made for another pipeline depth.");
 

@@ -334,6 +334,17 @@ void checkPipelineDepth(const Plan& p, int stages) {
     throw std::invalid_argument("plan: pp = " + num(stages) + " but the plan has no slots");
 }
 
+int stageLayers(int layers, int stages) {
+  if (layers < 1 || stages < 1)
+    throw std::invalid_argument("pipeline: need layers >= 1 and stages >= 1, got " + num(layers) + " layers and " +
+                                num(stages) + " stages");
+  if (layers % stages)
+    throw std::invalid_argument("pipeline: " + num(stages) + " stages do not divide the model's " + num(layers) +
+                                " layers (every stage holds the same number of layers; choose a pipeline depth "
+                                "that divides " + num(layers) + ")");
+  return layers / stages;
+}
+
 void validatePipelineOptions(const PipelineOptions& po) {
   auto fail = [](const std::string& m) { throw std::invalid_argument("planner: pipeline " + m); };
   if (po.stages < 1) fail("stages (pp) must be >= 1, got " + num(po.stages));

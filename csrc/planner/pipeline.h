@@ -79,6 +79,11 @@ std::vector<int64_t> oneFOneB(int64_t slots, int stages, int stage);
 // given to a runtime of `stages` stages (or stages < 1).
 void checkPipelineDepth(const Plan& plan, int stages);
 
+// The layers of one stage when `layers` are cut into `stages` equal stages; throws
+// std::invalid_argument naming both numbers when the stages do not divide the layers (or either is
+// < 1). CostModel::layers of a pipelined plan is this number.
+int stageLayers(int layers, int stages);
+
 // Throws std::invalid_argument naming the bad option (stages < 1, a forward share outside (0, 1),
 // negative or non-finite transfer terms).
 void validatePipelineOptions(const PipelineOptions& po);

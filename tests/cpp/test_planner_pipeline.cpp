@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <numeric>
 #include <random>
@@ -492,4 +493,98 @@ TEST(PPBalance, CorruptSlotsAreRejectedByTheDeserialiser) {
   r.mb_p2p.pop_back();
   bytes = r.serialize();
   EXPECT_THROW(Plan::deserialize(bytes.data(), bytes.size()), std::invalid_argument);
+}
+
+// ---- brute force on small inputs ---------------------------------------------------------------
+
+namespace {
+
+// The best step over every assignment of single-sequence local micro-batches to pipelines and
+// every order within each pipeline (consecutive slots), by the 1F1B replay.
+double bruteForceLocal(const std::vector<double>& cost, const std::vector<double>& p2p, int H, int P,
+                       double fwd_share) {
+  const int n = static_cast<int>(cost.size());
+  double best = -1;
+  std::vector<int> owner(n, 0);
+  while (true) {
+    std::vector<std::vector<int>> lists(H);
+    for (int i = 0; i < n; ++i) lists[owner[i]].push_back(i);
+    for (auto& l : lists) std::sort(l.begin(), l.end());
+    // every combination of per-pipeline permutations (odometer over next_permutation)
+    while (true) {
+      PSched s;
+      s.H = H;
+      s.P = P;
+      s.lists.resize(H);
+      std::vector<double> f, b, x;
+      for (int h = 0; h < H; ++h)
+        for (size_t k = 0; k < lists[h].size(); ++k) {
+          s.lists[h].push_back({static_cast<int64_t>(k), -1});
+          const int i = lists[h][k];
+          for (int q = 0; q < P; ++q) {
+            f.push_back(fwd_share * cost[i]);
+            b.push_back(cost[i] - fwd_share * cost[i]);
+          }
+          x.push_back(p2p[i]);
+        }
+      PipelineView v = s.view();
+      const double t = replayPipeline(v, f.data(), b.data(), x.data(), n).step_time;
+      if (best < 0 || t < best) best = t;
+      int h = 0;
+      while (h < H && !std::next_permutation(lists[h].begin(), lists[h].end())) ++h;
+      if (h == H) break;
+    }
+    int i = 0;
+    while (i < n && ++owner[i] == H) owner[i++] = 0;
+    if (i == n) break;
+  }
+  return best;
+}
+
+}  // namespace
+
+TEST(PPBalance, BruteForceOnSmallInputs) {
+  // Sequences in (cap/2, cap]: every micro-batch holds one sequence, so the local plans are exactly
+  // the assignments x orders the brute force walks. The pipelined lower bound never exceeds the
+  // optimum; PP-Balance and lockstep never beat it when they stay local; PP-Balance stays close.
+  std::mt19937_64 rng(23);
+  const int64_t cap = 1024;
+  double worst = 1.0, sum = 0;
+  int local_plans = 0;
+  for (int t = 0; t < 120; ++t) {
+    const int H = 1 + static_cast<int>(rng() % 3), P = 1 + static_cast<int>(rng() % 4);
+    const int n = 1 + static_cast<int>(rng() % (H == 3 ? 5 : 6));
+    std::vector<int64_t> lens(n);
+    for (auto& s : lens) s = cap / 2 + 1 + static_cast<int64_t>(rng() % (cap / 2));
+    PlanOptions o = ppOptions(H, P, "pp-balance", cap);
+    o.cost.a1 = (t % 2) ? 1e-8 : 6.1e-11;  // attention-heavy or linear-heavy
+    if (t % 3 == 0) o.pipeline.p2p_bw = 1e6;  // slow transfers
+    std::vector<double> cost(n), p2p(n);
+    for (int i = 0; i < n; ++i) {
+      cost[i] = o.cost.seqTime(static_cast<double>(lens[i]));
+      p2p[i] = P > 1 ? o.pipeline.p2pTime(static_cast<double>(lens[i])) : 0.0;
+    }
+    const double opt = bruteForceLocal(cost, p2p, H, P, o.pipeline.fwd_share);
+    Plan b = makePlan(lens, o);
+    ASSERT_NO_THROW(b.verify(lens, o));
+    EXPECT_LE(b.lower_bound, opt * (1 + 1e-9)) << "t=" << t << " H=" << H << " P=" << P << " n=" << n;
+    if (b.numRings() == 0) {
+      EXPECT_GE(b.makespan, opt * (1 - 1e-9)) << "t=" << t;
+      const double ratio = b.makespan / opt;
+      worst = std::max(worst, ratio);
+      sum += ratio;
+      ++local_plans;
+      EXPECT_LE(ratio, 1.10) << "t=" << t << " H=" << H << " P=" << P << " n=" << n;
+    } else {
+      // a plan with rings is outside the brute force's space: it must not be worse than the
+      // best local plan (rings are chosen because they shorten the step)
+      EXPECT_LE(b.makespan, opt * (1 + 1e-9)) << "t=" << t;
+    }
+    o.strategy = Strategy::kPPLockstep;
+    Plan l = makePlan(lens, o);
+    if (l.numRings() == 0) EXPECT_GE(l.makespan, opt * (1 - 1e-9)) << "t=" << t;
+  }
+  EXPECT_GT(local_plans, 60);
+  std::printf("PP-Balance vs brute force: %d local plans, mean %.4f, worst %.4f x optimal\n", local_plans,
+              sum / std::max(1, local_plans), worst);
 }
