@@ -81,6 +81,7 @@ struct Layout {
   std::vector<std::vector<Entry>> lists;      // per pipeline, in slot order
   std::vector<double> finish;                 // per pipeline (replayed)
   double step = 0;
+  bool lockstep = false;                      // built by lockstepLayout
 };
 
 void requireUniform(const Context& ctx) {
@@ -90,9 +91,10 @@ void requireUniform(const Context& ctx) {
                                 "supported with pipelines (a pipeline's stages are several devices)");
 }
 
-// Best-fit decreasing of `locals` (longest first) into bins of `cap` tokens.
-void packBins(const Context& ctx, const std::vector<int64_t>& locals, Layout& L) {
-  const int64_t cap = ctx.cap_min;
+// Best-fit decreasing of `locals` (longest first) into bins of `bin_cap` tokens (0: the capacity; a
+// sequence longer than bin_cap gets a bin of its own).
+void packBins(const Context& ctx, const std::vector<int64_t>& locals, Layout& L, int64_t bin_cap = 0) {
+  const int64_t cap = bin_cap > 0 ? std::min(bin_cap, ctx.cap_min) : ctx.cap_min;
   std::vector<std::vector<int64_t>> bins;
   std::vector<int64_t> fill;
   std::multimap<int64_t, size_t> room;
@@ -175,12 +177,14 @@ Plan buildPlan(const Context& ctx, const BoundParts& flat_bound, const Layout& L
     for (size_t i = 0; i < slots_of[h].size(); ++i) slots[p.rank_mb[h] + static_cast<int64_t>(i)] = slots_of[h][i];
   }
   finishPipeline(p, ctx, flat_bound, std::move(slots));
+  if (L.lockstep) p.strategy = strategyName(Strategy::kPPLockstep);
   return p;
 }
 
 // Megatron's lockstep slots (file comment).
 void lockstepLayout(const Context& ctx, Layout& L) {
   L = Layout();
+  L.lockstep = true;
   const int H = ctx.W;
   const CostModel& cm = ctx.opt.cost;
   std::vector<int64_t> locals;
@@ -249,40 +253,36 @@ class PPBalance {
   Plan run() {
     const double lb = pipelineBound(flat_, ctx_).value();
     static const double kFactors[] = {1.0, 1.05, 1.12, 1.25, 1.5, 2.0, 3.0};
+    // Micro-batch sizes: capacity-sized bins have the least per-micro-batch overhead, smaller ones
+    // the smallest bubble ((P-1) x the costliest micro-batch) and more pieces to balance with.
+    std::vector<int64_t> caps{ctx_.cap_min};
+    if (P_ > 1)
+      for (int64_t c = ctx_.cap_min / 2; c >= 1 && caps.size() < 4; c /= 2) caps.push_back(c);
     Layout best, cur;
     bool have = false;
-    double prev = -1;
     for (double f : kFactors) {
       const double T = lb * f;
-      for (bool runs : {true, false}) {
-        pass(T, runs, cur);
-        const double step = cur.step;
+      for (int64_t bc : caps)
+        for (bool runs : {true, false}) {
+          pass(T, runs, bc, cur);
 #ifdef PPB_DEBUG
-        dump(runs ? "runs" : "lpt", T, cur);
+          dump(runs ? "runs" : "lpt", T, cur);
 #endif
-        if (!have || step < best.step * (1 - 1e-12)) {
-          std::swap(best, cur);
-          have = true;
+          if (!have || cur.step < best.step * (1 - 1e-12)) {
+            std::swap(best, cur);
+            have = true;
+          }
         }
-      }
       if (best.step <= T * (1 + 2e-3)) break;  // a plan meets this horizon: longer ones only loosen it
-      (void)prev;
     }
     // Safety net: Megatron's lockstep slots are a candidate too (kept when their replayed step is
     // shorter), so pp-balance is never worse than pp-lockstep.
-#ifndef PPB_NO_NET
     if (best.step > lb * (1 + 1e-9)) {
-#else
-    if (false) {
-#endif
       lockstepLayout(ctx_, cur);
       cur.finish.assign(H_, 0.0);
       std::vector<int> all(H_);
       std::iota(all.begin(), all.end(), 0);
       cur.step = evaluate(cur, all);
-#ifdef PPB_DEBUG
-      dump("lockstep", 0, cur);
-#endif
       if (cur.step < best.step) std::swap(best, cur);
     }
     return buildPlan(ctx_, flat_, best);
@@ -690,12 +690,12 @@ class PPBalance {
   }
 
   // One complete layout for horizon T.
-  void pass(double T, bool runs, Layout& L) const {
+  void pass(double T, bool runs, int64_t bin_cap, Layout& L) const {
     std::vector<int64_t> locals;
     split(T, L, locals);
     std::vector<double> load(H_, 0.0), cmax(H_, 0.0);
     placeRings(L, load, cmax);
-    packBins(ctx_, locals, L);
+    packBins(ctx_, locals, L, bin_cap);
     assignBins(L, load, cmax, T, runs);
     L.lists.assign(H_, {});
     L.finish.assign(H_, 0.0);

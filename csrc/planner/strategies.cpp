@@ -413,7 +413,21 @@ Plan makePlan(const std::vector<int64_t>& lengths, const PlanOptions& opt) {
   validatePipelineOptions(opt.pipeline);
   detail::Context ctx(lengths, opt);
   const BoundParts bound = lowerBound(lengths, opt);
-  if (opt.strategy == Strategy::kPPBalance) return detail::planPPBalance(ctx, bound);
+  if (opt.strategy == Strategy::kPPBalance) {
+    Plan p = detail::planPPBalance(ctx, bound);
+    // Safety net: DP-Balance per pipeline (the balanced plan, slotted) is a candidate too, kept
+    // (and named "balanced") when its replayed step is shorter; pp-balance itself keeps lockstep
+    // slots the same way (named "pp-lockstep").
+    if (p.makespan > p.lower_bound * (1 + 1e-9) && ctx.W > 1) {
+      PlanOptions flat = opt;
+      flat.strategy = Strategy::kBalanced;
+      const detail::Context fctx(lengths, flat);
+      Plan q = makeFlat(lengths, flat, fctx, bound);
+      detail::finishPipeline(q, fctx, bound);
+      if (q.makespan < p.makespan * (1 - 1e-12)) return q;
+    }
+    return p;
+  }
   if (opt.strategy == Strategy::kPPLockstep) return detail::planPPLockstep(ctx, bound);
   Plan p = makeFlat(lengths, opt, ctx, bound);
   if (opt.pipeline.stages > 1) detail::finishPipeline(p, ctx, bound);

@@ -363,26 +363,31 @@ TEST(PPBalance, InvariantsOnRandomInput) {
   EXPECT_GT(trials, 0);
 }
 
-TEST(PPBalance, NeverWorseThanLockstepSlots) {
+TEST(PPBalance, NeverWorseThanLockstepSlotsOrDPBalance) {
   std::mt19937_64 rng(5);
-  int better = 0;
+  int better = 0, own = 0;
   for (int t = 0; t < 150; ++t) {
     const int H = 2 + static_cast<int>(rng() % 7), P = 2 + static_cast<int>(rng() % 6);
-    auto lens = mixedLengths(rng, 10 + static_cast<int>(rng() % 80), 1024, 1024 * H);
+    auto lens = mixedLengths(rng, 10 + static_cast<int>(rng() % 80), 1024, 1024 * (t % 2 ? H : 1));
     Plan b = makePlan(lens, ppOptions(H, P, "pp-balance"));
     Plan l = makePlan(lens, ppOptions(H, P, "pp-lockstep"));
+    Plan d = makePlan(lens, ppOptions(H, P, "balanced"));
     EXPECT_LE(b.makespan, l.makespan * (1 + 1e-12)) << "H=" << H << " P=" << P;
+    EXPECT_LE(b.makespan, d.makespan * (1 + 1e-12)) << "H=" << H << " P=" << P;
     better += b.makespan < l.makespan * 0.97;
+    own += b.strategy == "pp-balance";
   }
-  EXPECT_GT(better, 50);  // and usually clearly better
+  std::printf("pp-balance: 3%% better than lockstep slots in %d of 150, its own layout kept in %d\n", better, own);
+  EXPECT_GT(better, 50);  // usually clearly better
+  EXPECT_GT(own, 75);     // and mostly by its own layout, not a safety net
 }
 
 TEST(PPBalance, CheapLevelsGetMoreMicroBatches) {
   // The paper's Fig. 12: long and short sequences, 2 pipelines of 4 stages. PP-Balance keeps a
   // level per pipeline and gives the cheap level more micro-batches; lockstep gives both the same.
   std::vector<int64_t> lens;
-  for (int i = 0; i < 8; ++i) lens.push_back(1024);
-  for (int i = 0; i < 64; ++i) lens.push_back(128);
+  for (int i = 0; i < 4; ++i) lens.push_back(1024);
+  for (int i = 0; i < 128; ++i) lens.push_back(128);
   PlanOptions o = ppOptions(2, 4, "pp-balance");
   o.cost.a1 = 1e-8;  // attention-heavy: a 1024-token sequence costs ~2.6x a bin of 8 x 128
   Plan b = makePlan(lens, o);
@@ -584,7 +589,7 @@ TEST(PPBalance, BruteForceOnSmallInputs) {
     Plan l = makePlan(lens, o);
     if (l.numRings() == 0) EXPECT_GE(l.makespan, opt * (1 - 1e-9)) << "t=" << t;
   }
-  EXPECT_GT(local_plans, 60);
+  EXPECT_GT(local_plans, 30);  // the rest chose rings (checked against the local optimum above)
   std::printf("PP-Balance vs brute force: %d local plans, mean %.4f, worst %.4f x optimal\n", local_plans,
               sum / std::max(1, local_plans), worst);
 }
