@@ -258,13 +258,17 @@ class PPBalance {
     std::vector<int64_t> caps{ctx_.cap_min};
     if (P_ > 1)
       for (int64_t c = ctx_.cap_min / 2; c >= 1 && caps.size() < 4; c /= 2) caps.push_back(c);
+    bool any_ring = false;  // a sequence above the capacity, or a horizon short enough to shard one
+    for (int64_t i : ctx_.order) any_ring |= ctx_.len[i] > ctx_.cap_max;
     Layout best, cur;
     bool have = false;
     for (double f : kFactors) {
       const double T = lb * f;
       for (int64_t bc : caps)
-        for (bool runs : {true, false}) {
-          pass(T, runs, bc, cur);
+        for (int mode = 0; mode < 4; ++mode) {
+          const bool runs = mode % 2 == 0, uniform = mode >= 2;
+          if (uniform && !any_ring) continue;
+          pass(T, runs, bc, uniform, cur);
 #ifdef PPB_DEBUG
           dump(runs ? "runs" : "lpt", T, cur);
 #endif
@@ -311,7 +315,10 @@ class PPBalance {
   }
 #endif
   // ---- 1. rings ----------------------------------------------------------------------------------
-  void split(double T, Layout& L, std::vector<int64_t>& locals) const {
+  // ring_target > 0: a ring is made at least wide enough that its stage time stays within
+  // ring_target (a bin's cost: ring micro-batches no costlier than local ones, so no ring
+  // magnifies its pipelines' bubble), up to its best ring size.
+  void split(double T, double ring_target, Layout& L, std::vector<int64_t>& locals) const {
     L.rings.clear();
     locals.clear();
     for (int64_t i : ctx_.order) {
@@ -327,6 +334,10 @@ class PPBalance {
       const RingShape sh = ringShape(cm_, sd, dmin, H_);
       int d = minRanksWithin(cm_, sd, sh, (T - hops(sd)) / P_);
       if (d < 0) d = sh.best;
+      if (ring_target > 0 && d < sh.best) {
+        const int du = minRanksWithin(cm_, sd, sh, ring_target);
+        d = du < 0 ? sh.best : std::max(d, du);
+      }
       const double c = cm_.shardedTime(sd, d);
       if (!must && c >= t1) {
         locals.push_back(i);
@@ -690,9 +701,9 @@ class PPBalance {
   }
 
   // One complete layout for horizon T.
-  void pass(double T, bool runs, int64_t bin_cap, Layout& L) const {
+  void pass(double T, bool runs, int64_t bin_cap, bool uniform_rings, Layout& L) const {
     std::vector<int64_t> locals;
-    split(T, L, locals);
+    split(T, uniform_rings ? cm_.seqTime(static_cast<double>(std::min(bin_cap, ctx_.cap_min))) : 0.0, L, locals);
     std::vector<double> load(H_, 0.0), cmax(H_, 0.0);
     placeRings(L, load, cmax);
     packBins(ctx_, locals, L, bin_cap);

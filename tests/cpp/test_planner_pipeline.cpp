@@ -366,7 +366,7 @@ TEST(PPBalance, InvariantsOnRandomInput) {
 TEST(PPBalance, NeverWorseThanLockstepSlotsOrDPBalance) {
   std::mt19937_64 rng(5);
   int better = 0, own = 0;
-  for (int t = 0; t < 150; ++t) {
+  for (int t = 0; t < 80; ++t) {
     const int H = 2 + static_cast<int>(rng() % 7), P = 2 + static_cast<int>(rng() % 6);
     auto lens = mixedLengths(rng, 10 + static_cast<int>(rng() % 80), 1024, 1024 * (t % 2 ? H : 1));
     Plan b = makePlan(lens, ppOptions(H, P, "pp-balance"));
@@ -377,9 +377,9 @@ TEST(PPBalance, NeverWorseThanLockstepSlotsOrDPBalance) {
     better += b.makespan < l.makespan * 0.97;
     own += b.strategy == "pp-balance";
   }
-  std::printf("pp-balance: 3%% better than lockstep slots in %d of 150, its own layout kept in %d\n", better, own);
-  EXPECT_GT(better, 50);  // usually clearly better
-  EXPECT_GT(own, 75);     // and mostly by its own layout, not a safety net
+  std::printf("pp-balance: 3%% better than lockstep slots in %d of 80, its own layout kept in %d\n", better, own);
+  EXPECT_GT(better, 55);  // usually clearly better
+  EXPECT_GT(own, 60);     // and mostly by its own layout, not a safety net
 }
 
 TEST(PPBalance, CheapLevelsGetMoreMicroBatches) {
