@@ -46,8 +46,8 @@ def test_pipelined_steps_keep_their_invariants(pp, tp):
         assert r.info["stage_layers"] == SHAPE.layers // pp
         assert 0 < r.mfu < 1
     by = {r.strategy: r for r in res}
-    # PP-Balance replays no longer than Megatron's lockstep slots on the planner's cost model
-    assert by["hdp-pp-balance"].info["planner_predicted_step_s"] <= by["lockstep"].info["planner_predicted_step_s"] * (1 + 1e-9)
+    # PP-Balance (with offloading) is not slower than lockstep slots (without; other inputs, so 5%)
+    assert by["hdp-pp-balance"].step_time_s <= 1.05 * by["lockstep"].step_time_s
 
 
 def test_one_micro_batch_pays_the_whole_pipeline():
@@ -81,7 +81,7 @@ def test_memory_per_gpu_falls_with_pp():
 def test_cli_pp(tmp_path):
     out = tmp_path / "pp.json"
     rc = main(["--corpus", "github", "--model", "llama-70b", "--gpus", "256", "--tp", "8", "--pp", "4",
-               "--global-batch-tokens", "2M", "--context", "256K", "--json", str(out)])
+               "--global-batch-tokens", "2M", "--context", "128K", "--json", str(out)])
     assert rc == 0
     doc = json.loads(out.read_text())
     assert doc["config"]["pp"] == 4
