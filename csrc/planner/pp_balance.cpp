@@ -22,8 +22,13 @@
 //      pipelines without rings also ascending and the organ-pipe order (cheap ends, costly middle);
 //   4. balance: while it shortens the later of the two, a local micro-batch moves from the
 //      pipeline that ends last to one that ends first (re-ordered, replayed).
-// The horizon is the pipelined lower bound times a few factors; each factor gives a complete plan
-// and the shortest replayed step wins.
+// The horizon is the pipelined lower bound times a few factors; each factor, each micro-batch size
+// (capacity-sized bins, and bins of capacity / 2, / 4, / 8: a smaller bubble, (P-1) x the costliest
+// micro-batch, against more per-micro-batch overhead), runs or greedy assignment, and ring widths
+// (the fewest units within the horizon, or at least as many as keep a ring no costlier than a bin,
+// so no ring magnifies its pipelines' bubble) gives a complete plan; the shortest replayed step
+// wins. Safety nets: lockstep slots here, DP-Balance per pipeline in makePlan (strategies.cpp),
+// each kept (and named) when it replays shorter.
 //
 // pp-lockstep (Megatron-LM's dynamic CP with PP, its development branch): every pipeline runs the
 // same slots. Rings (memory minimum of units, any integer, as naive) and capacity-sized local
@@ -262,13 +267,16 @@ class PPBalance {
     for (int64_t i : ctx_.order) any_ring |= ctx_.len[i] > ctx_.cap_max;
     Layout best, cur;
     bool have = false;
+    double prev_best = -1;
+    int stale = 0;
     for (double f : kFactors) {
       const double T = lb * f;
-      for (int64_t bc : caps)
+      for (size_t ci = 0; ci < caps.size(); ++ci) {
+        const double before_cap = have ? best.step : -1;
         for (int mode = 0; mode < 4; ++mode) {
           const bool runs = mode % 2 == 0, uniform = mode >= 2;
           if (uniform && !any_ring) continue;
-          pass(T, runs, bc, uniform, cur);
+          pass(T, runs, caps[ci], uniform, cur);
 #ifdef PPB_DEBUG
           dump(runs ? "runs" : "lpt", T, cur);
 #endif
@@ -277,7 +285,14 @@ class PPBalance {
             have = true;
           }
         }
+        // halving the bins again only helps while the last halving did
+        if (ci > 0 && !(best.step < before_cap * (1 - 1e-9))) break;
+      }
       if (best.step <= T * (1 + 2e-3)) break;  // a plan meets this horizon: longer ones only loosen it
+      // looser horizons stop once two in a row improve nothing
+      stale = prev_best >= 0 && !(best.step < prev_best * (1 - 1e-9)) ? stale + 1 : 0;
+      prev_best = best.step;
+      if (stale >= 2) break;
     }
     // Safety net: Megatron's lockstep slots are a candidate too (kept when their replayed step is
     // shorter), so pp-balance is never worse than pp-lockstep.
