@@ -186,8 +186,9 @@ Plan buildPlan(const Context& ctx, const BoundParts& flat_bound, const Layout& L
   return p;
 }
 
-// Megatron's lockstep slots (file comment).
-void lockstepLayout(const Context& ctx, Layout& L) {
+// Megatron's lockstep slots (file comment). no_offload: rings at the fewest units that hold them
+// without offloading even when the options allow it (false when one needs more units than exist).
+bool lockstepLayout(const Context& ctx, Layout& L, bool no_offload = false) {
   L = Layout();
   L.lockstep = true;
   const int H = ctx.W;
@@ -201,9 +202,10 @@ void lockstepLayout(const Context& ctx, Layout& L) {
     }
     RingItem r;
     r.seq = i;
-    r.d = ctx.memMin(s).ranks;
+    r.d = no_offload ? ranksWithoutOffload(cm, s, ctx.cap_min) : ctx.memMin(s).ranks;
+    if (r.d > H) return false;
     r.cost = cm.shardedTime(static_cast<double>(s), r.d);
-    r.ratio = ctx.opt.offload ? ratioForRanks(cm, s, ctx.cap_min, r.d) : 0.0;
+    r.ratio = ctx.opt.offload && !no_offload ? ratioForRanks(cm, s, ctx.cap_min, r.d) : 0.0;
     L.rings.push_back(std::move(r));
   }
   packBins(ctx, locals, L);
@@ -247,6 +249,7 @@ void lockstepLayout(const Context& ctx, Layout& L) {
   }
   for (auto& l : L.lists)
     std::stable_sort(l.begin(), l.end(), [](const Entry& a, const Entry& b) { return a.slot < b.slot; });
+  return true;
 }
 
 
@@ -296,8 +299,11 @@ class PPBalance {
     }
     // Safety net: Megatron's lockstep slots are a candidate too (kept when their replayed step is
     // shorter), so pp-balance is never worse than pp-lockstep.
-    if (best.step > lb * (1 + 1e-9)) {
-      lockstepLayout(ctx_, cur);
+    // With offloading allowed, the slots of rings that do not offload are tried as well (Eq. 3's
+    // fewest units make a ring's micro-batch, and so its pipelines' bubble, large).
+    for (bool no_offload : {false, true}) {
+      if (best.step <= lb * (1 + 1e-9) || (no_offload && !ctx_.opt.offload)) continue;
+      if (!lockstepLayout(ctx_, cur, no_offload)) continue;
       cur.finish.assign(H_, 0.0);
       std::vector<int> all(H_);
       std::iota(all.begin(), all.end(), 0);

@@ -418,13 +418,31 @@ Plan makePlan(const std::vector<int64_t>& lengths, const PlanOptions& opt) {
     // Safety net: DP-Balance per pipeline (the balanced plan, slotted) is a candidate too, kept
     // (and named "balanced") when its replayed step is shorter; pp-balance itself keeps lockstep
     // slots the same way (named "pp-lockstep").
-    if (p.makespan > p.lower_bound * (1 + 1e-9) && ctx.W > 1) {
+    // With offloading allowed, DP-Balance without it is tried as well (when every sequence fits).
+    for (int k = 0; k < 2; ++k) {
+      const bool offload = k == 0 && opt.offload;
+      if ((k == 1 && !opt.offload) || p.makespan <= p.lower_bound * (1 + 1e-9) || ctx.W == 1) break;
       PlanOptions flat = opt;
       flat.strategy = Strategy::kBalanced;
-      const detail::Context fctx(lengths, flat);
-      Plan q = makeFlat(lengths, flat, fctx, bound);
-      detail::finishPipeline(q, fctx, bound);
-      if (q.makespan < p.makespan * (1 - 1e-12)) return q;
+      flat.offload = offload;
+      Plan q;
+      try {
+        const detail::Context fctx(lengths, flat);
+        const BoundParts fb = lowerBound(lengths, flat);
+        q = makeFlat(lengths, flat, fctx, fb);
+        detail::finishPipeline(q, fctx, fb);
+      } catch (const std::invalid_argument&) {
+        continue;  // a sequence needs more ranks than exist without offloading
+      }
+      if (q.makespan < p.makespan * (1 - 1e-12)) {
+        // the bound is the options' (offloading allowed: never above the one without)
+        q.bound_work = p.bound_work;
+        q.bound_piece = p.bound_piece;
+        q.bound_waves = p.bound_waves;
+        q.lower_bound = p.lower_bound;
+        q.imbalance = q.mean_cost > 0 ? q.makespan / q.mean_cost : 1.0;
+        p = std::move(q);
+      }
     }
     return p;
   }
