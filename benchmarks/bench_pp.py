@@ -2,7 +2,7 @@
 per pipeline and naive ordering in the planner, and HDP + PP-Balance against static DP x CP x TP x PP
 in the simulator.
 
-    PYTHONPATH=. python benchmarks/bench_pp.py [--seeds 3] [--png benchmarks/pp.png] [--sections planner,sim]
+    PYTHONPATH=. python benchmarks/bench_pp.py [--seeds 3] [--png benchmarks/pp.png] [--sections planner,sim,mixed]
 
 1. Planner (the C++ planner's own cost model and 1F1B replay, ``bytescale.plan(..., pp=P)``): one
    stage of LLaMA-70B at TP 8 (the simulator's FLOP-derived cost model, ``layers / P`` layers), its
@@ -17,6 +17,8 @@ in the simulator.
    context, 32M-token batches, GitHub- and Byted-like data: static DP x CP x TP x PP against HDP
    with DP-Balance per pipeline (hdp-full), lockstep slots and PP-Balance (hdp-pp-balance); the
    paper reports 3.42x-4.28x for PP-balanced large models.
+3. Mixed small batches (``mixed``): PP-Balance, lockstep slots, DP-Balance per pipeline and naive
+   ordering on 80 seeded batches of 2-8 pipelines x 2-7 stages, with and without rings.
 """
 from __future__ import annotations
 
@@ -106,6 +108,29 @@ def sim_section(seeds: int, rows: List[dict]) -> None:
             print(line)
 
 
+def mixed_section(n: int = 80) -> None:
+    """Seeded small batches (the GoogleTest's generator): 2-8 pipelines x 2-7 stages, 10-90
+    sequences, 60% up to a quarter of the capacity, 30% up to the capacity, 10% up to the capacity
+    (no rings) or the whole world's (rings); the planner's default cost model. Mean step over
+    lockstep's."""
+    print("\n## 3. Mixed batches: step / pp-lockstep's step (means of %d batches)" % n)
+    print(f"{'batches':<12} " + " ".join(f"{s:>12}" for s in PLANNER_STRATEGIES) + "  pp-balance / bound")
+    for label, wide in (("no rings", False), ("with rings", True)):
+        rng = np.random.default_rng(5)
+        out = []
+        for _ in range(n):
+            H, P, cnt, cap = int(rng.integers(2, 9)), int(rng.integers(2, 8)), int(rng.integers(10, 90)), 1024
+            u = rng.random(cnt)
+            top = cap * (H if wide else 1)
+            lens = np.where(u < 0.6, 1 + rng.random(cnt) * cap / 4,
+                            np.where(u < 0.9, 1 + rng.random(cnt) * cap, 1 + rng.random(cnt) * top)).astype(int)
+            plans = [bytescale.plan(lens, H, cap, strategy=s, pp=P) for s in PLANNER_STRATEGIES]
+            lock = plans[1].makespan
+            out.append([p.makespan / lock for p in plans] + [plans[0].makespan / plans[0].lower_bound])
+        a = np.mean(out, axis=0)
+        print(f"{label:<12} " + " ".join(f"{x:>12.3f}" for x in a[:-1]) + f"  {a[-1]:.3f}")
+
+
 def plot(path: str, rows: List[dict]) -> None:
     import matplotlib
 
@@ -145,7 +170,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--png", default=None)
-    ap.add_argument("--sections", default="planner,sim")
+    ap.add_argument("--sections", default="planner,sim,mixed")
     args = ap.parse_args()
     t0 = time.perf_counter()
     rows: List[dict] = []
@@ -154,6 +179,8 @@ def main() -> None:
         planner_section(args.seeds, rows)
     if "sim" in sections:
         sim_section(args.seeds, rows)
+    if "mixed" in sections:
+        mixed_section()
     if args.png and "planner" in sections and "sim" in sections:
         plot(args.png, rows)
     print(f"\n{time.perf_counter() - t0:.0f} s")
