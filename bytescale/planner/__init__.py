@@ -246,6 +246,19 @@ class Plan:
         the same slot. Empty for a plan without pipelines."""
         return self._p.mb_slot
 
+    def micro_batch_slots(self, rank: int) -> List[int]:
+        """The 1F1B slots of global rank ``rank``'s micro-batches (those of its unit, in the order of
+        :meth:`micro_batches`); a pipeline's stage runs slot k's forward and backward where 1F1B
+        puts slot k, skipping the empty slots between them. ValueError for a plan without slots."""
+        if not self.pipelined:
+            raise ValueError("Plan.micro_batch_slots: the plan has no pipeline slots (made with pp = 1 and a "
+                             "strategy other than pp-balance / pp-lockstep)")
+        unit = rank if self.units.is_identity else self.units.unit_of(rank)
+        if not 0 <= unit < self.world_size:
+            raise IndexError(f"Plan.micro_batch_slots: rank {rank} outside [0, {self.world_size})")
+        rank_mb = self._p.rank_mb
+        return self.slots[int(rank_mb[unit]):int(rank_mb[unit + 1])].tolist()
+
     def check_pp(self, stages: int) -> None:
         """Raises ValueError naming both depths when the plan was made for another pipeline depth
         than ``stages`` (what a runtime of ``stages`` stages calls before executing it)."""

@@ -119,6 +119,17 @@ def test_pp_one_keeps_the_flat_plans():
         assert a.to_bytes() == b.to_bytes()
 
 
+def test_micro_batch_slots_follow_each_pipeline():
+    p = bytescale.plan(_lengths(6), 4, 1024, strategy="pp-balance", pp=2)
+    for h in range(4):
+        slots = p.micro_batch_slots(h)
+        assert len(slots) == len(p.micro_batches(h)) and slots == sorted(set(slots))
+    with pytest.raises(IndexError):
+        p.micro_batch_slots(4)
+    with pytest.raises(ValueError, match="no pipeline slots"):
+        bytescale.plan(_lengths(6), 4, 1024).micro_batch_slots(0)
+
+
 def test_plan_bytes_round_trip_keeps_the_pipeline():
     p = bytescale.plan(_lengths(2), 3, 1024, strategy="pp-balance", pp=2)
     q = Plan.from_bytes(p.to_bytes())
