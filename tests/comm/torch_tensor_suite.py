@@ -14,7 +14,9 @@ that maps every "gloo" in the requested backend ("gloo", "cpu:gloo,cuda:nccl") t
 initialises the default group from the test's rendezvous file as the original does; every
 subgroup the tests create (``DeviceMesh`` dims, ``new_group`` without a backend) then inherits
 bytescale from the default group. ``install("gloo")`` leaves the backend alone, so that both runs
-go through the same process start and the same test selection:
+go through the same process start and the same test selection. ``DTensorContinuousTestBase``
+(one pool of ranks per class, the backend from its ``backend_str()``) is pointed at bytescale by
+``backend_str``; its ranks are forked as well.
 
 - processes are forked instead of spawned (``MultiProcessTestCase._spawn_processes``): a forked
   rank inherits the patched harness and the registered backend; a spawned one would re-import a
@@ -47,7 +49,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.testing._internal import common_device_type, common_utils  # noqa: E402
 from torch.testing._internal.common_distributed import MultiProcessTestCase  # noqa: E402
-from torch.testing._internal.distributed._tensor.common_dtensor import DTensorTestBase  # noqa: E402
+from torch.testing._internal.distributed._tensor.common_dtensor import (  # noqa: E402
+    DTensorContinuousTestBase,
+    DTensorTestBase,
+)
 
 BACKENDS = ("gloo", "bytescale")
 
@@ -76,6 +81,10 @@ def _init_pg_on_bytescale(self, eager_init, backend: Optional[str] = None) -> No
         rank=self.rank,
         init_method=f"file://{self.file_name}",
     )
+    _check_default_group_is_bytescale()
+
+
+def _check_default_group_is_bytescale() -> None:
     got = dist.get_backend()
     if "bytescale" not in got:
         raise RuntimeError(f"torch_tensor_suite: the default group runs {got!r}, not bytescale")
@@ -99,7 +108,8 @@ class BytescaleDTensorTestBase(DTensorTestBase):
 
 def _keep_dtensor_classes_generic(original):
     def instantiate(generic_test_class, scope, *args, **kwargs):
-        if isinstance(generic_test_class, type) and issubclass(generic_test_class, DTensorTestBase):
+        if isinstance(generic_test_class, type) and issubclass(
+                generic_test_class, (DTensorTestBase, DTensorContinuousTestBase)):
             # The generic class stays in the module and runs with device_type "cpu"; its
             # @parametrize tests are expanded as the device instantiation would have.
             common_utils.instantiate_parametrized_tests(generic_test_class)
@@ -116,6 +126,9 @@ def install(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"torch_tensor_suite: backend must be one of {BACKENDS}, got {backend!r}")
     MultiProcessTestCase._spawn_processes = _fork_processes
+    # DTensorContinuousTestBase (one pool of ranks per class) starts its ranks with the default
+    # start method after trying to set "spawn"; with "fork" set first, they are forked too.
+    torch.multiprocessing.set_start_method("fork", force=True)
     common_device_type.instantiate_device_type_tests = _keep_dtensor_classes_generic(
         common_device_type.instantiate_device_type_tests)
     if backend == "bytescale":
@@ -123,6 +136,14 @@ def install(backend: str) -> None:
 
         assert "BYTESCALE" in dist.Backend._plugins, "bytescale did not register its backend"
         DTensorTestBase.init_pg = _init_pg_on_bytescale
+        DTensorContinuousTestBase.backend_str = classmethod(lambda cls: "bytescale")
+        init_continuous = DTensorContinuousTestBase._init_pg.__func__
+
+        def _init_continuous_checked(cls, rank, world_size, rdvz_file):
+            init_continuous(cls, rank, world_size, rdvz_file)
+            _check_default_group_is_bytescale()
+
+        DTensorContinuousTestBase._init_pg = classmethod(_init_continuous_checked)
 
 
 # ---------------------------------------------------------------------------------------------
