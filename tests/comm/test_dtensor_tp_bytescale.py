@@ -10,7 +10,7 @@ each rank from the same seed: float64 model, forward, backward and optimizer ste
 - 1-D mesh: torch's colwise/rowwise plan with and without sequence parallelism, and a sequence-
   parallel plan with a vocabulary-sharded output and ``loss_parallel`` cross-entropy;
 - 2-D mesh (dp 2 x tp 2): TP on the "tp" dimension, each dp rank on half the global batch,
-  gradients averaged over the "dp" groups;
+  gradients averaged over the "dp" groups by hand, and with FSDP2 over "dp" (TorchTitan's 2-D);
 - redistribute Shard <-> Replicate <-> Partial on 1-D and 2-D meshes with uneven shapes
   (all-gather, reduce-scatter, all-reduce, with the collective counts torch expects), DTensor's
   all-to-all op (``_dtensor::shard_dim_alltoall``, which DTensor uses for Shard(i) -> Shard(j) on
@@ -51,6 +51,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (  # noqa
 import bytescale  # noqa: E402,F401  (registers the backend; the forked ranks inherit it)
 from torch_tensor_suite import BytescaleDTensorTestBase  # noqa: E402
 
+pytestmark = pytest.mark.multiprocess  # forked ranks (not run_distributed, so say it here)
 c10d = torch.ops.c10d_functional
 BATCH, SEQ = 4, 8  # SEQ divisible by the TP degree (sequence parallelism shards it)
 
@@ -227,6 +228,36 @@ class TestDTensorTensorParallelOnBytescale(BytescaleDTensorTestBase):
                 local.div_(dp_size)
 
         self._train_and_compare(model, model_tp, batches, loss_fn, loss_fn_tp, grad_sync=average_over_dp)
+
+    @with_comms
+    def test_transformer_2d_mesh_fsdp2_tp(self):
+        """dp 2 x tp 2 as TorchTitan composes them: torch's TP plan on "tp", then FSDP2
+        (``fully_shard``) over "dp", which shards the TP-sharded parameters again and
+        reduce-scatters their gradients over the dp groups: the unsharded model on the whole batch."""
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(self.device_type, (2, self.world_size // 2), mesh_dim_names=("dp", "tp"))
+        dp_rank, dp_size = mesh.get_local_rank("dp"), mesh.size(0)
+        torch.manual_seed(0)
+        model = Transformer(_args()).to(torch.float64)
+        model_tp = Transformer.parallelize(deepcopy(model), mesh["tp"], False, local_output_for_attn=True)
+        fully_shard(model_tp, mesh=mesh["dp"])
+        names = {p.device_mesh.mesh_dim_names for p in model_tp.parameters()}
+        self.assertEqual(names, {("dp",), ("dp", "tp")})  # norms: FSDP only; the rest: FSDP x TP
+        half = BATCH // dp_size
+        batches = [(t, y, t[dp_rank * half:(dp_rank + 1) * half], y[dp_rank * half:(dp_rank + 1) * half])
+                   for t, y in self._batches(3)]
+
+        def loss_fn(logits, targets):
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+        def loss_fn_tp(m, tokens, targets):
+            loss = loss_fn(m(tokens), targets)
+            loss.backward()
+            return loss.detach()
+
+        # FSDP2 averages the gradients over dp itself; the per-rank loss is its half-batch's.
+        self._train_and_compare(model, model_tp, batches, loss_fn, loss_fn_tp, grad_sync=lambda m: None)
 
     @with_comms
     def test_redistribute_shard_replicate_partial(self):

@@ -25,6 +25,7 @@ pytest.importorskip("expecttest", reason="torch's test utilities need expecttest
 
 import torch_tensor_suite as suite  # noqa: E402  (tests/comm is on sys.path under pytest)
 
+pytestmark = pytest.mark.multiprocess  # forked ranks (not run_distributed, so say it here)
 TESTS_DIR = os.environ.get("BYTESCALE_TORCH_TESTS")
 BUDGET_S = 3600  # per backend; the five files of the last local run take ~3 min each on 2 loaded cores
 
