@@ -12,7 +12,9 @@ too (GPU-only tests, tests newer than the installed torch) are reported, not hel
 
 ``BYTESCALE_TORCH_TESTS_K=<pattern>`` runs a subset. What CI runs without the files is
 ``test_dtensor_tp_bytescale.py`` (torch's shipped harness and reference Transformer on bytescale).
-The last local run, per file, is in benchmarks/RESULTS.md ("torch's tensor-parallel and DTensor tests").
+The last local run (2026-11-26, 7 files: 96 pass / 4 fail on Gloo, the same 96 / 4 on bytescale, the 4
+failing on both because the stored files are newer than torch 2.14.1), per file, is in
+benchmarks/RESULTS.md ("torch's tensor-parallel and DTensor tests").
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import torch_tensor_suite as suite  # noqa: E402  (tests/comm is on sys.path und
 
 pytestmark = pytest.mark.multiprocess  # forked ranks (not run_distributed, so say it here)
 TESTS_DIR = os.environ.get("BYTESCALE_TORCH_TESTS")
-BUDGET_S = 3600  # per backend; the five files of the last local run take ~3 min each on 2 loaded cores
+BUDGET_S = 3600  # per backend; the 7 files of the last local run: ~6.5 min each on 2 loaded cores
 
 # "file::Class::test" patterns (re.search) that pass on Gloo but not on bytescale, and why.
 DOCUMENTED_EXCEPTIONS: dict[str, str] = {}

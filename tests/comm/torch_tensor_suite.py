@@ -43,13 +43,11 @@ import subprocess
 import sys
 from typing import Optional
 
-os.environ.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "180")  # per test, read at import
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.testing._internal import common_device_type, common_utils  # noqa: E402
-from torch.testing._internal.common_distributed import MultiProcessTestCase  # noqa: E402
-from torch.testing._internal.distributed._tensor.common_dtensor import (  # noqa: E402
+import torch
+import torch.distributed as dist
+from torch.testing._internal import common_device_type, common_utils
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+from torch.testing._internal.distributed._tensor.common_dtensor import (
     DTensorContinuousTestBase,
     DTensorTestBase,
 )
@@ -170,6 +168,7 @@ def run_backend(backend: str, directory: str, xml_path: str, timeout_s: float,
     env = dict(os.environ)
     env.update(PYTHONPATH=os.pathsep.join([root, env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
                PYTORCH_PRINT_REPRO_ON_FAILURE="0")
+    env.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "180")  # per test (torch reads it at import)
     keyword = DESELECT if not select else f"({DESELECT}) and ({select})"
     cmd = [sys.executable, os.path.abspath(__file__), "--backend", backend, "--",
            *test_files(directory), "-q", "--rootdir", directory, "-k", keyword,
