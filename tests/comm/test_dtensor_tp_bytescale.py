@@ -14,7 +14,9 @@ each rank from the same seed: float64 model, forward, backward and optimizer ste
 - redistribute Shard <-> Replicate <-> Partial on 1-D and 2-D meshes with uneven shapes
   (all-gather, reduce-scatter, all-reduce, with the collective counts torch expects), DTensor's
   all-to-all op (``_dtensor::shard_dim_alltoall``, which DTensor uses for Shard(i) -> Shard(j) on
-  GPUs; on CPU meshes DTensor falls back to all-gather), and DTensor ops that communicate.
+  GPUs; on CPU meshes DTensor falls back to all-gather), and DTensor ops that communicate;
+- a torch 2.14.1 DTensor case whose ranks issue collectives of different sizes: a clear error on
+  every rank (Gloo aborts the process), the groups usable afterwards.
 """
 from __future__ import annotations
 
@@ -318,6 +320,29 @@ class TestDTensorTensorParallelOnBytescale(BytescaleDTensorTestBase):
         (dt.redistribute(mesh, [Replicate()]).to_local() * 3).sum().backward()
         self.assertEqual(dt.grad.placements, (Shard(0),))
         self.assertEqual(dt.grad.full_tensor(), torch.full_like(x, 3.0))
+
+    @with_comms
+    def test_uneven_nested_reduce_scatter_is_a_clear_error_not_an_abort(self):
+        """The torch 2.14.1 DTensor case left out above, (Shard(0), Partial()) -> (Shard(0),
+        Shard(0)) of 7 rows on a 2 x 2 mesh, whose ranks issue collectives of different sizes:
+        on bytescale every rank raises the consistency check's error naming both sizes (Gloo
+        aborts the process), and the groups stay usable. A torch that sizes it consistently must
+        give the right tensor instead."""
+        mesh = init_device_mesh(self.device_type, (2, self.world_size // 2))
+        full = torch.arange(7 * 5, dtype=torch.float64).reshape(7, 5)
+        dt = distribute_tensor(full, mesh, [Shard(0), Replicate()])
+        dt = DTensor.from_local(dt.to_local() / mesh.size(1), mesh, [Shard(0), Partial()], run_check=False)
+        try:
+            out = dt.redistribute(mesh, [Shard(0), Shard(0)]).full_tensor()
+        except RuntimeError as e:
+            self.assertRegex(str(e), r"collective mismatch across ranks.*\d+ elements.*\d+ elements")
+        else:
+            self.assertEqual(out, full)
+        # the groups still work after the error
+        x = torch.ones(3, dtype=torch.float64)
+        dist.all_reduce(x, group=mesh.get_group(1))
+        dist.all_reduce(x, group=mesh.get_group(0))
+        self.assertEqual(x, torch.full((3,), 4.0, dtype=torch.float64))
 
     @with_comms
     def test_shard_dim_alltoall_and_communicating_ops(self):
