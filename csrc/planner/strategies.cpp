@@ -88,7 +88,7 @@ std::vector<int> popLeast(LoadHeap& heap, int d) {
 }  // namespace
 
 // naive / pow2: balance TOKENS (memory), as the paper's Alg. 1 does; rings first, then locals.
-Builder tokenBalanced(const Context& ctx, Strategy strategy) {
+Builder tokenBalanced(const Context& ctx, Strategy strategy, const std::vector<int>* ring_sizes) {
   const PlanOptions& opt = ctx.opt;
   const CostModel& cm = opt.cost;
   const auto& lengths = ctx.len;
@@ -104,8 +104,8 @@ Builder tokenBalanced(const Context& ctx, Strategy strategy) {
       shorts.push_back(i);
       continue;
     }
-    int d = ctx.memMin(s).ranks;
-    if (strategy == Strategy::kPow2) d = std::min(nextPow2(d), W);
+    int d = ring_sizes ? (*ring_sizes)[i] : ctx.memMin(s).ranks;
+    if (strategy == Strategy::kPow2 && !ring_sizes) d = std::min(nextPow2(d), W);
     std::vector<int> members = popLeast(heap, d);
     for (int r : members) {
       tokens[r] += static_cast<double>(s) / d;
@@ -385,6 +385,7 @@ Plan makePlan(const std::vector<int64_t>& lengths, const PlanOptions& opt) {
                                      : staticCpDegree(longest, ctx.cap_min, opt.world_size);
     return detail::staticDpCp(ctx, cp).finish(bound);
   }
+  if (opt.offload && opt.offload_rule == OffloadRule::kStep) return detail::planStepClock(ctx, bound);
   if (opt.strategy != Strategy::kBalanced)
     return detail::tokenBalanced(ctx, opt.strategy).finish(bound);
   Plan p = detail::planBalanced(ctx, bound);
