@@ -87,6 +87,7 @@ Builder tokenBalanced(const Context& ctx, Strategy strategy, const std::vector<i
 // Offloading under the step's clock (offload_rule.cpp, see offload_rule.h): the plan of
 // ctx.opt.strategy with ctx.opt.offload and OffloadRule::kStep.
 Plan planStepClock(const Context& ctx, const BoundParts& bound);
+bool insideStepClock();  // planStepClock runs a strategy on this thread (makePlan must not recurse)
 
 // static (static_cp.cpp): the DP x CP baseline at CP degree `cp` (see planner.h).
 Builder staticDpCp(const Context& ctx, int cp);

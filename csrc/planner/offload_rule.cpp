@@ -34,7 +34,16 @@ std::string ringReasonName(RingReason r) {
   return "?";
 }
 
+OffloadChoice offloadFloor(const PlanOptions& opt, int64_t s, int64_t capacity) {
+  if (!opt.offload) return {ranksWithoutOffload(opt.cost, s, capacity), 0.0};
+  return solveOffload(opt.cost, s, capacity,
+                      opt.offload_rule == OffloadRule::kStep ? kForwardShare : 1.0);
+}
+
 namespace {
+
+// Depth of planStepClock on this thread: the strategy it runs inside must not start it again.
+thread_local int step_clock_depth = 0;
 
 int nextPow2(int d) {
   int p = 1;
@@ -65,14 +74,21 @@ bool fitsWithoutOffload(const detail::Context& ctx) {
 
 namespace detail {
 
+bool insideStepClock() { return step_clock_depth > 0; }
+
 Plan planStepClock(const Context& ctx, const BoundParts& bound) {
   const PlanOptions& opt = ctx.opt;
   const Strategy strategy = opt.strategy;
   if (strategy != Strategy::kNaive && strategy != Strategy::kPow2) {
-    // Strategies that size rings by time already: with Eq. 3 floors, and without offloading.
-    PlanOptions eq3 = opt;
-    eq3.offload_rule = OffloadRule::kPaperEq3;
-    Plan with = makePlan(ctx.len, eq3);
+    // Strategies that size rings by time already: with the rule's floors, and without offloading.
+    struct Depth {
+      Depth() { ++step_clock_depth; }
+      ~Depth() { --step_clock_depth; }
+    };
+    Plan with = [&] {
+      Depth d;
+      return makePlan(ctx.len, opt);
+    }();
     if (!fitsWithoutOffload(ctx)) return with;
     PlanOptions off = opt;
     off.offload = false;
@@ -92,7 +108,7 @@ Plan planStepClock(const Context& ctx, const BoundParts& bound) {
     const int64_t s = ctx.len[i];
     if (s <= ctx.cap_min) break;
     ref[i] = shape(ranksWithoutOffload(cm, s, ctx.cap_min));
-    const int lo = shape(solveOffload(cm, s, ctx.cap_min).ranks);
+    const int lo = shape(offloadFloor(opt, s, ctx.cap_min).ranks);
     std::vector<int> a;
     for (int d = lo; d < ref[i]; d = pow2 ? d * 2 : d + 1) a.push_back(d);
     longs.push_back(i);
@@ -159,7 +175,7 @@ std::vector<RingChoice> explainRings(const Plan& p, const std::vector<int64_t>& 
     RingChoice& c = out[i];
     const int64_t s = lengths[i];
     c.floor_memory = ranksWithoutOffload(cm, s, cap);
-    c.floor_offload = opt.offload ? solveOffload(cm, s, cap).ranks : c.floor_memory;
+    c.floor_offload = offloadFloor(opt, s, cap).ranks;
     if (!in_ring[i]) {
       c.reason = RingReason::kLocal;
       continue;

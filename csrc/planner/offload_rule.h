@@ -19,6 +19,11 @@
 // its reference ring is the whole world, at the ratio that makes it fit.
 // kPaperEq3 keeps the literal rule: naive and pow2 put every long sequence on its Eq. 3 minimum.
 //
+// The copies hide per direction under the step rule: Eq. 3's r_max with T(s) replaced by the
+// forward's share of it (kForwardShare, cost_model.h), since a layer's activations must leave
+// while the forward runs and come back while the backward runs; the paper's rule hides them
+// under the whole forward + backward time. offloadFloor is the floor every strategy uses.
+//
 // explainRings says, per sequence, which constraint set its ring size (and so its ratio, the
 // smallest that fits that size: ratioForRanks).
 #pragma once
@@ -44,6 +49,10 @@ enum class RingReason : int8_t {
                     //   static: the step's CP degree)
 };
 std::string ringReasonName(RingReason r);
+
+// The fewest ranks (and the ratio there) a sequence of s tokens may use at per-rank capacity
+// `capacity` under opt.offload and opt.offload_rule (without offloading: ranksWithoutOffload).
+OffloadChoice offloadFloor(const PlanOptions& opt, int64_t s, int64_t capacity);
 
 struct RingChoice {
   int64_t seq = 0;

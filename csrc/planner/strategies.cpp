@@ -9,6 +9,7 @@
 
 #include "attention/zigzag.h"
 #include "planner/builder.h"
+#include "planner/offload_rule.h"
 #include "planner/replay.h"
 
 namespace bytescale {
@@ -187,10 +188,7 @@ Context::Context(const std::vector<int64_t>& lengths, const PlanOptions& o)
   }
 }
 
-OffloadChoice Context::memMin(int64_t s) const {
-  if (opt.offload) return solveOffload(opt.cost, s, cap_min);
-  return {ranksWithoutOffload(opt.cost, s, cap_min), 0.0};
-}
+OffloadChoice Context::memMin(int64_t s) const { return offloadFloor(opt, s, cap_min); }
 
 void Builder::appendRing(const int64_t* seqs, size_t n, std::vector<int> members, double ratio,
                          double cost) {
@@ -385,7 +383,8 @@ Plan makePlan(const std::vector<int64_t>& lengths, const PlanOptions& opt) {
                                      : staticCpDegree(longest, ctx.cap_min, opt.world_size);
     return detail::staticDpCp(ctx, cp).finish(bound);
   }
-  if (opt.offload && opt.offload_rule == OffloadRule::kStep) return detail::planStepClock(ctx, bound);
+  if (opt.offload && opt.offload_rule == OffloadRule::kStep && !detail::insideStepClock())
+    return detail::planStepClock(ctx, bound);
   if (opt.strategy != Strategy::kBalanced)
     return detail::tokenBalanced(ctx, opt.strategy).finish(bound);
   Plan p = detail::planBalanced(ctx, bound);
