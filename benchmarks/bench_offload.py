@@ -78,6 +78,7 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--png", default=None)
+    ap.add_argument("--only", default=None, help="comma-separated ratios to run (0 always runs), e.g. 0.5")
     a = ap.parse_args(argv)
     dev = torch.device("cuda" if a.cuda else "cpu")
     dtype = torch.bfloat16 if a.cuda else torch.float32
@@ -101,6 +102,9 @@ def main(argv=None):
 
     variants = [("ratio 0", 0.0, False), ("ratio 0.25", 0.25, False), ("ratio 0.5", 0.5, False),
                 ("ratio 0.75", 0.75, False), ("ratio 1.0", 1.0, False), ("checkpointing", 0.0, True)]
+    if a.only is not None:
+        keep = {float(x) for x in a.only.split(",")} | {0.0}
+        variants = [v for v in variants if not v[2] and v[1] in keep]
     for _name, ratio, ckpt in variants:  # warm-up: kernels, allocator, the engine's host pool
         step(ratio, ckpt)
     times = {name: [] for name, _, _ in variants}
