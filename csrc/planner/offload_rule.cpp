@@ -36,11 +36,18 @@ std::string ringReasonName(RingReason r) {
 
 OffloadChoice offloadFloor(const PlanOptions& opt, int64_t s, int64_t capacity) {
   if (!opt.offload) return {ranksWithoutOffload(opt.cost, s, capacity), 0.0};
-  return solveOffload(opt.cost, s, capacity,
-                      opt.offload_rule == OffloadRule::kStep ? kForwardShare : 1.0);
+  const OffloadChoice paper = solveOffload(opt.cost, s, capacity, 1.0);
+  if (opt.offload_rule != OffloadRule::kStep) return paper;
+  const OffloadChoice hidden = solveOffload(opt.cost, s, capacity, kForwardShare);
+  // A sequence the world holds only with copies that do not fully hide keeps the paper's floor:
+  // memory decides there (without offloading it would not fit at all).
+  return hidden.ranks <= opt.world_size ? hidden : paper;
 }
 
 namespace {
+
+// The clocks tried: T, 0.9 T, 0.81 T, ... (a plan is rebuilt only when some ring size changes).
+constexpr double kClockStep = 0.9;
 
 // Depth of planStepClock on this thread: the strategy it runs inside must not start it again.
 thread_local int step_clock_depth = 0;
@@ -119,7 +126,7 @@ Plan planStepClock(const Context& ctx, const BoundParts& bound) {
   const double T = best->ringsFirstStep();
   double best_t = T;
   std::vector<int> last = ref;
-  for (double clock = T; clock > T * 1e-3; clock *= 0.5) {
+  for (double clock = T; clock > T * 1e-3; clock *= kClockStep) {
     sizes = ref;
     for (size_t k = 0; k < longs.size(); ++k) {
       const double s = static_cast<double>(ctx.len[longs[k]]);

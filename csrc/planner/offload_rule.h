@@ -8,7 +8,7 @@
 // where the plan's replayed step does not grow:
 //   naive, pow2  The reference is the strategy's own plan without offloading (every long sequence
 //                on its no-offload ring, min(D0, world) with D0 = ranksWithoutOffload, pow2
-//                rounded). Its replayed step T is the clock. For clocks c = T, T/2, T/4, ... each
+//                rounded). Its replayed step T is the clock. For clocks c = T, 0.9 T, 0.81 T, ... each
 //                long sequence takes the smallest allowed ring size d >= its Eq. 3 floor whose
 //                ring time shardedTime(s, d) fits c (else its reference size); the plan is rebuilt
 //                and replayed, and the shortest replay wins, the reference on ties. So the
@@ -22,7 +22,8 @@
 // The copies hide per direction under the step rule: Eq. 3's r_max with T(s) replaced by the
 // forward's share of it (kForwardShare, cost_model.h), since a layer's activations must leave
 // while the forward runs and come back while the backward runs; the paper's rule hides them
-// under the whole forward + backward time. offloadFloor is the floor every strategy uses.
+// under the whole forward + backward time (the paper's floor is kept where the per-direction one
+// needs more ranks than the world has). offloadFloor is the floor every strategy uses.
 //
 // explainRings says, per sequence, which constraint set its ring size (and so its ratio, the
 // smallest that fits that size: ratioForRanks).
