@@ -137,8 +137,9 @@ class Plan:
     """
 
     def __init__(self, cplan: "_C.planner.Plan", lengths: Optional[np.ndarray] = None,
-                 units: Optional[UnitMap] = None) -> None:
+                 units: Optional[UnitMap] = None, options: Optional["_C.planner.PlanOptions"] = None) -> None:
         self._p = cplan
+        self._options = options
         if lengths is None:  # every token is held exactly once: lengths are the segments' sums
             lengths = np.bincount(np.asarray(cplan.seg_seq), weights=np.asarray(cplan.seg_tokens),
                                   minlength=int(cplan.num_sequences)).astype(np.int64)
@@ -159,7 +160,7 @@ class Plan:
 
     def with_units(self, units: Optional[UnitMap]) -> "Plan":
         """The same plan over another map of its units to global ranks."""
-        return Plan(self._p, self.lengths, units)
+        return Plan(self._p, self.lengths, units, self._options)
 
     # predictions (the default cost model's, or the profile's)
     @property
@@ -369,6 +370,27 @@ class Plan:
         sel = np.nonzero(sizes > 1)[0]
         return {int(k): int(v) for k, v in zip(np.asarray(p.seg_seq)[sel], sizes[sel])}
 
+    def ring_reasons(self) -> List[Dict[str, Any]]:
+        """Per sequence (batch order), why its ring has its size and offload ratio
+        (csrc/planner/offload_rule.h): ``ranks``, ``ratio``, ``floor_memory`` (ranks without
+        offloading), ``floor_offload`` (the paper's Eq. 3 minimum when offloading) and ``reason``:
+
+        ``"local"`` (fits one rank), ``"memory"`` (the memory floor), ``"copy-hiding"`` (a smaller
+        ring would need copies that do not hide under the sequence's compute), ``"step"`` (memory
+        and copies allow a smaller ring but it would lengthen the step, or the strategy sized the
+        ring by time) or ``"shape"`` (pow2's power-of-two rounding, static's CP degree).
+
+        Raises:
+            ValueError: the plan was not made by :func:`plan` (e.g. :meth:`from_bytes`): its
+                options are unknown.
+        """
+        if self._options is None:
+            raise ValueError("Plan.ring_reasons: this plan does not carry its planner options "
+                             "(made by Plan.from_bytes?); plan with bytescale.plan(...)")
+        rows = _C.planner.explain_rings(self._p, self.lengths.tolist(), self._options)
+        return [{"ranks": r, "ratio": q, "floor_memory": fm, "floor_offload": fo, "reason": why}
+                for r, q, fm, fo, why in rows]
+
     def to_bytes(self) -> bytes:
         return self._p.to_bytes()
 
@@ -477,11 +499,18 @@ def stage_layers(layers: int, pp: int) -> int:
 _PIPELINE_KEYS = ("fwd_share", "p2p_bytes_per_token", "p2p_bw", "p2p_latency")
 
 
+OFFLOAD_RULES = ("step", "paper-eq3")
+
+
 def _options(world_size: int, capacity: int, strategy: str, offload: bool, cost: Any,
              speed: Optional[Sequence[float]], memory: Optional[Sequence[float]],
              static_cp: Optional[int] = None, pp: int = 1,
-             pipeline: Optional[Dict[str, float]] = None) -> "_C.planner.PlanOptions":
+             pipeline: Optional[Dict[str, float]] = None,
+             offload_rule: str = "step") -> "_C.planner.PlanOptions":
+    if offload_rule not in OFFLOAD_RULES:
+        raise ValueError(f"plan(): offload_rule must be one of {OFFLOAD_RULES}, got {offload_rule!r}")
     o = _C.planner.PlanOptions()
+    o.offload_rule = offload_rule
     o.pp = _positive_int("pp", pp)
     for k, v in (pipeline or {}).items():
         if k not in _PIPELINE_KEYS:
@@ -516,6 +545,7 @@ def plan(
     static_cp: Optional[int] = None,
     pp: int = 1,
     pipeline: Optional[Dict[str, float]] = None,
+    offload_rule: str = "step",
 ) -> Plan:
     """Plan one global batch.
 
@@ -530,7 +560,11 @@ def plan(
         capacity: tokens per micro-batch per rank, or per unit (before ``memory`` multipliers;
             integer >= 1).
         strategy: "balanced" | "naive" | "pow2" | "static" | "pp-balance" | "pp-lockstep".
-        offload: let long sequences offload activations (paper Eq. 3) to use fewer ranks.
+        offload: let long sequences offload activations to use fewer ranks: the paper's Eq. 3
+            sets how few (memory, and copies hidden under the sequence's compute) and, under the
+            default ``offload_rule="step"``, a ring shrinks only where the plan's step does not
+            grow: the plan never replays longer than the same strategy without offloading.
+            :meth:`Plan.ring_reasons` says per sequence which constraint set its ring size.
         cost: a CostModel, a JSON profile path, a dict of coefficients, or None (defaults).
         speed: per-rank relative speeds (heterogeneous clusters).
         memory: per-rank capacity multipliers.
@@ -545,6 +579,10 @@ def plan(
             forward + backward, default 1/3), ``p2p_bytes_per_token`` (activation bytes per token
             sent between stages, default 8192), ``p2p_bw`` (bytes/s, default 50e9) and
             ``p2p_latency`` (s, default 1e-5).
+        offload_rule: ``"step"`` (default, above) or ``"paper-eq3"``: the paper's literal Eq. 3,
+            kept for the ablation: naive and pow2 put every long sequence on its Eq. 3 minimum
+            ring whatever that does to the step (a 2M-token sequence on 16 ranks whose ring then
+            is the step).
     Raises:
         ValueError: bad input, naming the index/field and value (a length that is not an integer
             >= 1, a NaN or negative cost coefficient, world size 0, a sequence needing more ranks
@@ -554,8 +592,8 @@ def plan(
     units = world_size if isinstance(world_size, UnitMap) else None
     arr = _lengths_array(lengths)
     opts = _options(units.num_units if units else world_size, capacity, strategy, offload, cost, speed, memory,
-                    static_cp, pp, pipeline)
-    p = Plan(_C.planner.make_plan(arr, opts), arr, units)
+                    static_cp, pp, pipeline, offload_rule)
+    p = Plan(_C.planner.make_plan(arr, opts), arr, units, opts)
     if verify:
         p.raw.verify(arr.tolist(), opts)
     return p

@@ -10,7 +10,10 @@ pow2          Megatron-style dynamic CP: each long sequence on a power-of-two gr
               (``bytescale.plan(strategy="pow2")``)
 hdp           HDP with dynamic communication only: any-integer ring sizes, memory-driven, token-
               balanced (the paper's Alg. 1, ``strategy="naive"``)
-hdp-offload   + selective activation offloading (Eq. 3, ``offload=True``)
+hdp-offload   + selective activation offloading (``offload=True``: Eq. 3 under the step's clock, a
+              ring shrinks only where the step does not grow)
+hdp-offload-eq3  the same with the paper's literal Eq. 3 (``offload_rule="paper-eq3"``: every long
+              sequence on its Eq. 3 minimum ring), for the ablation
 hdp-balance   + the balance scheduler (bytescale's sync-aware ``strategy="balanced"``, offloading on)
 hdp-full      + remote data loading: the same plan, the data-loading stall overlapped
 ============  =======================================================================================
@@ -33,18 +36,20 @@ documents), the ring size, the offload ratio and the number of documents.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 import numpy as np
 
 __all__ = ["STRATEGIES", "PP_STRATEGIES", "Schedule", "build_schedule", "schedule_from_plan", "static_schedule", "split_at_context"]
 
-# name -> (planner strategy or "static", offload, loader model)
-STRATEGIES: Dict[str, Tuple[str, bool, str]] = {
+# name -> (planner strategy or "static", offload (False, True = the "step" rule, or a rule's name),
+# loader model)
+STRATEGIES: Dict[str, Tuple[str, Union[bool, str], str]] = {
     "static": ("static", False, "local"),
     "pow2": ("pow2", False, "global"),
     "hdp": ("naive", False, "global"),
     "hdp-offload": ("naive", True, "global"),
+    "hdp-offload-eq3": ("naive", "paper-eq3", "global"),
     "hdp-balance": ("balanced", True, "global"),
     "hdp-full": ("balanced", True, "remote"),
 }
@@ -168,7 +173,7 @@ def static_schedule(lengths: np.ndarray, world: int, capacity: int, cp: Optional
 
 
 def build_schedule(name: str, lengths: np.ndarray, world: int, capacity: int, cost: Any,
-                   plans: Optional[Dict[Tuple[str, bool], Any]] = None, pp: int = 1,
+                   plans: Optional[Dict[Tuple[str, Union[bool, str]], Any]] = None, pp: int = 1,
                    pipeline: Optional[Dict[str, float]] = None) -> Schedule:
     """The schedule of strategy ``name`` (:data:`STRATEGIES` or :data:`PP_STRATEGIES`) for one
     global batch; with ``pp`` > 1, ``world`` counts pipelines and ``cost`` is one stage's
@@ -191,7 +196,9 @@ def build_schedule(name: str, lengths: np.ndarray, world: int, capacity: int, co
     if plans is not None and key in plans:
         p = plans[key]
     else:
-        p = make_plan(lengths, world, capacity, strategy=kind, offload=offload, cost=cost, pp=pp, pipeline=pipeline)
+        rule = offload if isinstance(offload, str) else "step"
+        p = make_plan(lengths, world, capacity, strategy=kind, offload=bool(offload), cost=cost,
+                      pp=pp, pipeline=pipeline, offload_rule=rule)
         if plans is not None:
             plans[key] = p
     return schedule_from_plan(name, p, lengths, loader)

@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "planner/pipeline.h"
+#include "planner/offload_rule.h"
 #include "planner/planner.h"
 #include "planner/reference.h"
 #include "planner/replay.h"
@@ -314,6 +315,11 @@ void bind_planner(py::module_& m) {
       .def_readwrite("memory", &PlanOptions::memory)
       .def_readwrite("cost", &PlanOptions::cost)
       .def_readwrite("offload", &PlanOptions::offload)
+      .def_property(
+          "offload_rule", [](const PlanOptions& o) { return planner::offloadRuleName(o.offload_rule); },
+          [](PlanOptions& o, const std::string& s) { o.offload_rule = planner::parseOffloadRule(s); },
+          "how offloading may shrink rings: 'step' (Eq. 3 under the step's clock, default) or "
+          "'paper-eq3' (the paper's literal Eq. 3, for the ablation)")
       .def_readwrite("static_cp", &PlanOptions::static_cp,
                      "strategy 'static': the CP degree (0: sized for the step's longest sequence)")
       .def_property(
@@ -334,6 +340,21 @@ void bind_planner(py::module_& m) {
       .def_property(
           "strategy", [](const PlanOptions& o) { return planner::strategyName(o.strategy); },
           [](PlanOptions& o, const std::string& s) { o.strategy = planner::parseStrategy(s); });
+
+  m.def(
+      "explain_rings",
+      [](const Plan& p, const std::vector<int64_t>& lengths, const PlanOptions& opt) {
+        auto rows = planner::explainRings(p, lengths, opt);
+        py::list out;
+        for (const auto& c : rows)
+          out.append(py::make_tuple(c.ranks, c.ratio, c.floor_memory, c.floor_offload,
+                                    planner::ringReasonName(c.reason)));
+        return out;
+      },
+      py::arg("plan"), py::arg("lengths"), py::arg("options"),
+      "Per sequence (input order): (ranks, offload ratio, ranks without offloading, Eq. 3's "
+      "minimum, reason) with reason 'local' | 'memory' | 'copy-hiding' | 'step' | 'shape' "
+      "(csrc/planner/offload_rule.h).");
 
   m.def(
       "reference_plan",

@@ -16,7 +16,8 @@
 // model's predictions; Plan::rank_cost is each rank's busy time (the sum of its costs).
 //
 // Strategies:
-//   naive    - the paper's Alg. 1: ranks per long sequence from memory (Eq. 3 with offloading),
+//   naive    - the paper's Alg. 1: ranks per long sequence from memory (Eq. 3 with offloading,
+//              under the step's clock unless PlanOptions::offload_rule says otherwise),
 //              short sequences best-fit into capacity-sized bins, everything balanced by TOKENS;
 //              rings first, locals after.
 //   balanced - ours, sync-aware (balanced.cpp): places rings on a timeline of when each rank is
@@ -67,6 +68,15 @@ struct PipelineOptions {
   // Seconds to send `tokens` tokens of activations (or their gradients) across one stage boundary.
   double p2pTime(double tokens) const { return p2p_latency + p2p_bytes_per_token * tokens / p2p_bw; }
 };
+// How offloading (PlanOptions::offload) may shrink rings (csrc/planner/offload_rule.h):
+//   kStep      "step": Eq. 3 under the step's clock (default). A sequence's ring may shrink below
+//              its size without offloading only where the plan's replayed step does not grow: a
+//              plan with offloading never replays longer than the same strategy's plan without.
+//   kPaperEq3  "paper-eq3": the paper's literal Eq. 3, kept for the ablation: naive and pow2 put
+//              every long sequence on its Eq. 3 minimum D(s), whatever that does to the step.
+enum class OffloadRule { kStep = 0, kPaperEq3 = 1 };
+OffloadRule parseOffloadRule(const std::string& name);
+std::string offloadRuleName(OffloadRule r);
 
 struct PlanOptions {
   int world_size = 1;
@@ -75,6 +85,7 @@ struct PlanOptions {
   std::vector<double> memory;   // per-rank capacity multiplier (empty: all 1)
   CostModel cost;
   bool offload = false;
+  OffloadRule offload_rule = OffloadRule::kStep;  // how offloading may shrink rings (above)
   Strategy strategy = Strategy::kBalanced;
   // strategy static only: the CP degree (must divide world_size; 0: staticCpDegree of the step's
   // longest sequence at the smallest rank capacity).

@@ -10,6 +10,7 @@
 #include "attention/zigzag.h"
 #include "planner/builder.h"
 #include "planner/pipeline.h"
+#include "planner/offload_rule.h"
 #include "planner/replay.h"
 
 namespace bytescale {
@@ -89,7 +90,7 @@ std::vector<int> popLeast(LoadHeap& heap, int d) {
 }  // namespace
 
 // naive / pow2: balance TOKENS (memory), as the paper's Alg. 1 does; rings first, then locals.
-Builder tokenBalanced(const Context& ctx, Strategy strategy) {
+Builder tokenBalanced(const Context& ctx, Strategy strategy, const std::vector<int>* ring_sizes) {
   const PlanOptions& opt = ctx.opt;
   const CostModel& cm = opt.cost;
   const auto& lengths = ctx.len;
@@ -105,8 +106,8 @@ Builder tokenBalanced(const Context& ctx, Strategy strategy) {
       shorts.push_back(i);
       continue;
     }
-    int d = ctx.memMin(s).ranks;
-    if (strategy == Strategy::kPow2) d = std::min(nextPow2(d), W);
+    int d = ring_sizes ? (*ring_sizes)[i] : ctx.memMin(s).ranks;
+    if (strategy == Strategy::kPow2 && !ring_sizes) d = std::min(nextPow2(d), W);
     std::vector<int> members = popLeast(heap, d);
     for (int r : members) {
       tokens[r] += static_cast<double>(s) / d;
@@ -188,10 +189,7 @@ Context::Context(const std::vector<int64_t>& lengths, const PlanOptions& o)
   }
 }
 
-OffloadChoice Context::memMin(int64_t s) const {
-  if (opt.offload) return solveOffload(opt.cost, s, cap_min);
-  return {ranksWithoutOffload(opt.cost, s, cap_min), 0.0};
-}
+OffloadChoice Context::memMin(int64_t s) const { return offloadFloor(opt, s, cap_min); }
 
 void Builder::appendRing(const int64_t* seqs, size_t n, std::vector<int> members, double ratio,
                          double cost) {
@@ -386,6 +384,8 @@ Plan makeFlat(const std::vector<int64_t>& lengths, const PlanOptions& opt, const
                                      : staticCpDegree(longest, ctx.cap_min, opt.world_size);
     return detail::staticDpCp(ctx, cp).finish(bound);
   }
+  if (opt.offload && opt.offload_rule == OffloadRule::kStep && !detail::insideStepClock())
+    return detail::planStepClock(ctx, bound);
   if (opt.strategy != Strategy::kBalanced)
     return detail::tokenBalanced(ctx, opt.strategy).finish(bound);
   Plan p = detail::planBalanced(ctx, bound);
