@@ -99,17 +99,6 @@ c10::intrusive_ptr<c10d::Work> launchGloo(c10d::Backend& gloo, const Collective&
   }
 }
 
-// The fingerprint check through Gloo's own all-gather (fixed size, so it cannot mismatch), NOT
-// bytescale's P2P channel: world collectives may be issued while ring attention's P2P traffic is in
-// flight (gradient buckets during a ring micro-batch's backward), and only Gloo's collective
-// ordering is common to all ranks then.
-void checkThroughGloo(c10d::Backend& gloo, const RankMap& world, const Collective& c) {
-  at::Tensor fp = fingerprint(c);
-  at::Tensor flat = at::empty({world.size() * kFingerprintLen}, fp.options());
-  gloo._allgather_base(flat, fp)->wait();
-  verifyFingerprints(flat.view({world.size(), kFingerprintLen}), world, c.what);
-}
-
 }  // namespace
 
 BytescaleBackend::BytescaleBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
@@ -126,7 +115,7 @@ BytescaleBackend::BytescaleBackend(c10::intrusive_ptr<c10d::Store> store, int ra
   // on a CUDA tensor or by device_id=), so dynamic groups and ring attention find its transport
   // and can say precisely what is missing.
   if (hasDeviceBackend(c10::DeviceType::CUDA) && at::hasCUDA()) {
-    auto plugin = makeDeviceBackend(c10::DeviceType::CUDA, {store_, rank, size, timeout});
+    auto plugin = makeDeviceBackend(c10::DeviceType::CUDA, {store_, rank, size, timeout, cpu_});
     registerWorldTransport(c10::DeviceType::CUDA, plugin.transport);
     plugins_[c10::DeviceType::CUDA] = std::move(plugin);
   }
@@ -168,6 +157,12 @@ std::shared_ptr<Transport> BytescaleBackend::transport(c10::DeviceType device) c
   return it == plugins_.end() ? nullptr : it->second.transport;
 }
 
+bool BytescaleBackend::deviceConnected(c10::DeviceType device) const {
+  auto it = plugins_.find(device);
+  if (it == plugins_.end()) return false;
+  return !it->second.connected || it->second.connected();
+}
+
 const DeviceBackend& BytescaleBackend::plugin(c10::DeviceType device,
                                               const std::string& what) const {
   auto it = plugins_.find(device);
@@ -204,17 +199,20 @@ c10::intrusive_ptr<c10d::Work> BytescaleBackend::executeOnCpu(Collective c) {
   if (viaGroupOps(c))
     return cpu->run(std::move(inf), std::move(outputs),
                     [cpu, world, c = std::move(c)] { group_ops::run(*cpu, *world, c); });
-  if (!checksEnabled() || getSize() == 1)  // unchecked: Gloo's own Work, wrapped
+  const bool checked = checksEnabled() && getSize() > 1;
+  if (!checked && !cpu->inOrder())  // unchecked: Gloo's own Work, wrapped
     return adoptWork(launchGloo(*gloo_, c), getRank(), std::move(inf), std::move(outputs));
   // Checked: the fingerprint exchange is blocking, so the check AND the Gloo collective run on the
   // CPU transport's worker: the caller never blocks (a collective issued from an autograd hook
   // while a peer is still in ring attention must not stall this rank's own ring traffic), and
-  // all checked collectives (and barriers) keep one order per rank.
+  // all checked collectives (and barriers) keep one order per rank. The check's messages use the
+  // worker's own tag channel (gloo_transport.h), apart from ring attention's traffic. In
+  // NCCL-order mode every world collective runs there, in issue order with the exchanges.
   auto gloo = gloo_;
-  return cpu->run(std::move(inf), std::move(outputs), [gloo, cpu, world, c = std::move(c)] {
-    if (c.kind != CollectiveKind::kBarrier) {
-      cpu->noteNativeWait("Gloo's all_gather of the consistency check");
-      checkThroughGloo(*gloo, *world, c);
+  return cpu->run(std::move(inf), std::move(outputs), [gloo, cpu, world, checked, c = std::move(c)] {
+    if (checked && c.kind != CollectiveKind::kBarrier) {
+      cpu->noteNativeWait("the consistency check");
+      checkConsistent(*cpu, *world, c);
     }
     cpu->noteNativeWait(std::string("Gloo's ") + c.name);
     launchGloo(*gloo, c)->wait();

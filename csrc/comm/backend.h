@@ -40,6 +40,8 @@ class BytescaleBackend final : public CollectiveBackend {
   void abort() override;
 
   std::shared_ptr<Transport> transport(c10::DeviceType device) const;
+  // Whether the device plug-in's world communicator exists (false without a plug-in).
+  bool deviceConnected(c10::DeviceType device) const;
 
  protected:
   void checkOpen(const std::string& what) const override;

@@ -24,6 +24,7 @@ struct DeviceBackendOptions {
   int rank = 0;                           // global rank
   int size = 1;                           // world size
   std::chrono::milliseconds timeout{0};   // the world group's timeout
+  std::shared_ptr<Transport> cpu;         // the world's CPU transport (staged transports use it)
 };
 
 // What a plug-in provides for the world group on its device.
@@ -33,6 +34,9 @@ struct DeviceBackend {
   c10::intrusive_ptr<CollectiveBackend> backend;
   // The world transport of the device (dynamic groups, ring attention).
   std::shared_ptr<Transport> transport;
+  // Whether the device's world communicator exists (NCCL: created by device_id= or the first
+  // world collective); null: nothing to create.
+  std::function<bool()> connected;
 };
 
 using DeviceBackendFactory = std::function<DeviceBackend(const DeviceBackendOptions&)>;
