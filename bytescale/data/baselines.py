@@ -58,7 +58,9 @@ class StaticPlan:
             if self.cp == 1:
                 out.append(MicroBatchPlan(rank, i, local=docs))
             else:
-                out.append(MicroBatchPlan(rank, i, sharded=docs, ring=ring, ring_pos=pos, ring_id=i))
+                # the CP group's members run the same micro-batches: the last one ends them all
+                out.append(MicroBatchPlan(rank, i, sharded=docs, ring=ring, ring_pos=pos, ring_id=i,
+                                          ring_is_last_on_all=i == len(self.per_replica[rep]) - 1))
         return out
 
     def lockstep_micro_batches(self, rank: int, sample_ids: Optional[Sequence[int]] = None) -> List[MicroBatchPlan]:
