@@ -4,6 +4,8 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "comm/device_backends.h"
+#include "comm/staged_transport.h"
+#include "common/env.h"
 
 namespace bytescale {
 namespace cuda {
@@ -19,10 +21,17 @@ std::vector<int> iota(int n) {
 // The plug-in registers itself when the extension is loaded.
 const bool kRegistered = [] {
   comm::registerDeviceBackend(c10::DeviceType::CUDA, [](const comm::DeviceBackendOptions& o) {
+    // BYTESCALE_CUDA_TRANSPORT=staged: several processes on one GPU (comm/staged_transport.h).
+    if (env::knobs().cuda_transport == "staged") return comm::makeStagedBackend(c10::DeviceType::CUDA, o);
     auto backend = c10::make_intrusive<NcclBackend>(o.store, o.rank, o.size, o.timeout);
     comm::DeviceBackend plugin;
     plugin.transport = backend->transport();
     plugin.backend = backend;
+    std::weak_ptr<NcclTransport> weak = backend->transport();
+    plugin.connected = [weak] {
+      auto t = weak.lock();
+      return t && t->comm().connected();
+    };
     return plugin;
   });
   return true;
