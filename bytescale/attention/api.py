@@ -23,6 +23,7 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
+from .. import _C
 from .layout import Layout, local_attention
 
 __all__ = ["attention", "micro_batch_context", "current_layout"]
@@ -59,15 +60,21 @@ def micro_batch_context(layout: Optional[Layout]) -> Iterator[None]:
     """Make ``layout`` the current micro-batch layout for :func:`attention` calls in the block
     (forward AND backward belong inside it: the backward's recomputation reads it too, from
     whatever thread autograd runs it on).
+
+    The block is also the scope of ring attention's agreement check: a ring call is checked the
+    first time its members make it, not again in later layers or in the recompute (the check is
+    a blocking host round trip on CUDA).
     """
     if layout is not None and not isinstance(layout, Layout):
         raise TypeError(f"micro_batch_context: expected a bytescale.attention.Layout, got {type(layout).__name__}")
     me = threading.get_ident()
     with _lock:
         _open.setdefault(me, []).append(layout)
+    scope = _C.attention.enter_agreement_scope()
     try:
         yield
     finally:
+        _C.attention.exit_agreement_scope(scope)
         with _lock:
             stack = _open[me]
             stack.pop()
