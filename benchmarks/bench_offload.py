@@ -3,8 +3,10 @@
 
     python benchmarks/bench_offload.py                 # CPU: host-to-host copies (the engine's bookkeeping)
     python benchmarks/bench_offload.py --cuda --seq 65536 --dim 4096 --layers 4   # one GPU
+    ... --jsonl rows.jsonl     # every row appended as soon as it is measured
 
-Memory: on CUDA the peak allocated memory of the step (torch.cuda.max_memory_allocated); on CPU
+Memory: on CUDA the peak allocated and reserved memory of the step (torch.cuda.max_memory_allocated,
+max_memory_reserved: what the caching allocator holds, the number that runs out first); on CPU
 the bytes of saved activations (parameters excluded) that stayed resident, since
 host-to-host offloading frees no memory there. Time: median step (forward + backward) of ``reps``.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import statistics
 import time
 
@@ -31,6 +34,7 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--png", default=None)
+    ap.add_argument("--jsonl", default=None, help="append every row here as soon as it is measured")
     a = ap.parse_args(argv)
     dev = torch.device("cuda" if a.cuda else "cpu")
     dtype = torch.bfloat16 if a.cuda else torch.float32
@@ -56,7 +60,7 @@ def main(argv=None):
     for name, ratio, ckpt in [("ratio 0", 0.0, False), ("ratio 0.25", 0.25, False), ("ratio 0.5", 0.5, False),
                               ("ratio 0.75", 0.75, False), ("ratio 1.0", 1.0, False), ("checkpointing", 0.0, True)]:
         step(ratio, ckpt)
-        ts, mem = [], []
+        ts, mem, reserved = [], [], []
         for _ in range(a.reps):
             if a.cuda:
                 torch.cuda.synchronize()
@@ -66,10 +70,16 @@ def main(argv=None):
             if a.cuda:
                 torch.cuda.synchronize()
                 mem.append(torch.cuda.max_memory_allocated())
+                reserved.append(torch.cuda.max_memory_reserved())
             else:
                 mem.append(kept)
             ts.append(time.perf_counter() - t0)
         rows.append((name, statistics.median(ts), max(mem)))
+        if a.jsonl:
+            with open(a.jsonl, "a") as f:
+                f.write(json.dumps(dict(variant=name, seq=a.seq, dim=a.dim, layers=a.layers, step_ms=rows[-1][1] * 1e3,
+                                        peak_allocated_mib=max(mem) / 2**20,
+                                        peak_reserved_mib=max(reserved) / 2**20 if reserved else None)) + "\n")
     base_t, base_m = rows[0][1], rows[0][2]
     print(f"# bench_offload ({datetime.date.today()}, {dev}, {dtype}, seq {a.seq}, dim {a.dim}, "
           f"{a.layers} layers)\n")

@@ -356,6 +356,8 @@ class Trainer:
             if step.index != self.step:
                 raise RuntimeError(f"loader at step {step.index}, trainer at {self.step}")
             self.logger.samples(step.index, step.sample_ids)
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
             out = self.train_step(step)
             elapsed = time.perf_counter() - t0
             mine = torch.tensor([out["loss"], out["aux"], out["compute"], wait, elapsed, out["mbs"]],
@@ -375,6 +377,9 @@ class Trainer:
                    "imbalance": float(t[:, 2].max() / max(float(t[:, 2].mean()), 1e-12)),
                    "micro_batches": [int(x) for x in t[:, 5].tolist()],
                    "ring_sizes": sorted(step.plan.ring_sizes().values(), reverse=True)[:8]}
+            if self.device.type == "cuda":  # this rank's peak device memory in the step
+                rec["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+                rec["max_memory_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
             self.logger.log(rec, step.plan.summary())
             self.step += 1
             if self.checkpointer is not None:
