@@ -4,17 +4,25 @@ The source list lives in ``csrc/sources.txt`` (shared with CMakeLists.txt).  CUD
 sources are compiled when the installed torch is a CUDA build and nvcc is found;
 a CPU-only torch gives a CPU-only extension with the same Python API.
 
+Rebuilding is incremental however it is started (``pip install -e .``, ``python setup.py
+build_ext --inplace``): ninja's build directory stays in the tree (``build/temp.<platform>``, see
+``BuildExt``), so only sources whose inputs changed recompile and an unchanged tree relinks nothing.
+Compiles go through ccache when it is installed, nvcc's included (``PYTORCH_NVCC``).
+
 Environment knobs:
   BYTESCALE_NO_CUDA=1   build the CPU-only extension even with a CUDA torch.
-  BYTESCALE_DEBUG=1     -O0 -g.
+  BYTESCALE_DEBUG=1     -O0 -g (a release build is -O3 -g0).
   MAX_JOBS=N            parallel compile jobs (ninja).
   TORCH_CUDA_ARCH_LIST  CUDA targets; default: the visible GPUs, or 8.0;9.0+PTX when none is visible.
 """
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import shutil
 import sys
+import sysconfig
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -81,6 +89,9 @@ def build_extension():
     cxx_flags = [*opt, "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
     if not debug:
         cxx_flags += ["-march=x86-64-v2"] if os.uname().machine == "x86_64" else []
+        # Python's CFLAGS carry -g; with torch's headers it made every object ~16x larger and its
+        # compile ~30% slower (benchmarks/RESULTS.md, "Building"). Release builds go without.
+        cxx_flags += ["-g0"]
     define_macros = []
     include_dirs = [str(ROOT / "csrc")]
     library_dirs: list[str] = []
@@ -115,6 +126,11 @@ def build_extension():
         # Link by soname so the process shares the libnccl.so.2 torch already loaded.
         extra_link += [f"-l:libnccl.so.2", f"-Wl,-rpath,{lib}"]
         ext_cls = cpp_extension.CUDAExtension
+        # nvcc through ccache: recent torch (2.14.1 here) wraps it itself, older versions only
+        # through PYTORCH_NVCC (used as given in build.ninja). TORCH_NO_COMPILER_WRAPPER=1: neither.
+        ccache = shutil.which("ccache")
+        if ccache and "PYTORCH_NVCC" not in os.environ and not os.environ.get("TORCH_NO_COMPILER_WRAPPER"):
+            os.environ["PYTORCH_NVCC"] = shlex.join([ccache, str(Path(cuda_home) / "bin" / "nvcc")])
         extra = {
             "cxx": cxx_flags,
             "nvcc": [*opt, "--expt-relaxed-constexpr", "-lineinfo"],
@@ -136,14 +152,74 @@ def build_extension():
     )
 
 
-def main():
+def build_ext_class(root: Path = ROOT):
+    """torch's BuildExtension with a build directory that survives and a link that is skipped
+    when nothing changed (``root``: the project's tree; tests/build/test_setup.py builds a small
+    extension with it).
+
+    * ``pip install -e .`` (setuptools' editable_wheel) points ``build_temp`` at a fresh temporary
+      directory on every run, so ninja found no earlier objects and recompiled every source, and
+      ccache missed as well: Python's CFLAGS carry ``-g`` and ccache hashes the working directory
+      (ninja's, the temporary one) into the key of every ``-g`` compile. A ``build_temp`` outside
+      the tree is therefore replaced by the tree's own ``build/temp.<platform>-<python>`` (where
+      ``python setup.py build_ext`` builds too), and release builds compile with ``-g0``. The
+      library is linked in ``build/lib.<platform>-<python>`` for the same reason (then copied into
+      the package, which is what the editable install imports).
+    * torch sets ``force`` so that ninja, which tracks headers and command lines, decides what to
+      compile; the link would then run every time. It runs only when an object is newer than the
+      library or the link inputs (objects, flags, libraries, output) changed.
+    """
     from torch.utils.cpp_extension import BuildExtension
 
+    class BuildExt(BuildExtension):
+        def finalize_options(self) -> None:
+            super().finalize_options()
+            top = root.resolve()
+            tag = f"{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+            for attr, name in (("build_temp", "temp"), ("build_lib", "lib")):
+                path = Path(getattr(self, attr)).resolve()
+                if path != top and top not in path.parents:
+                    setattr(self, attr, str(top / "build" / f"{name}.{tag}"))
+
+        def build_extension(self, ext) -> None:
+            out = Path(self.get_ext_fullpath(ext.name)).resolve()
+            stamp = Path(self.build_temp) / f"{ext.name}.link.json"
+            key = json.dumps({"output": str(out), "sources": list(ext.sources),
+                              "link": list(ext.extra_link_args or []), "libraries": list(ext.libraries or []),
+                              "library_dirs": list(ext.library_dirs or []),
+                              "compile": ext.extra_compile_args, "macros": ext.define_macros}, sort_keys=True)
+            same = stamp.exists() and stamp.read_text() == key
+            self.compiler.force = not same  # link only if an object is newer or the inputs changed
+            before = out.stat().st_mtime_ns if out.exists() else None
+            super().build_extension(ext)
+            if before is None or out.stat().st_mtime_ns != before:
+                self._relinked.add(str(out))
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            stamp.write_text(key)
+
+        def run(self) -> None:
+            self._relinked: set = set()
+            super().run()
+
+        def copy_file(self, infile, outfile, *args, **kwargs):
+            # --inplace copies the library into the package after every build; an unchanged one is
+            # left alone (rewriting truncates a file that running processes have mapped).
+            src, dst = Path(infile), Path(outfile)
+            if str(src.resolve()) not in self._relinked and dst.exists() and src.exists():
+                a, b = src.stat(), dst.stat()  # copy_file keeps the mtime (whole seconds)
+                if a.st_size == b.st_size and int(a.st_mtime) == int(b.st_mtime):
+                    return str(dst), False
+            return super().copy_file(infile, outfile, *args, **kwargs)
+
+    return BuildExt.with_options(use_ninja=True)
+
+
+def main():
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 2))
     setup(
         packages=find_packages(include=["bytescale", "bytescale.*"]),
         ext_modules=[build_extension()],
-        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+        cmdclass={"build_ext": build_ext_class()},
         zip_safe=False,
     )
 

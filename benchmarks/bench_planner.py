@@ -1,6 +1,6 @@
 """Planner benchmark: the synchronised step of every strategy against the lower bound, and latency.
 
-    python benchmarks/bench_planner.py [--png benchmarks/planner.png] [--quick]
+    python benchmarks/bench_planner.py [--png benchmarks/planner.png] [--quick] [--sections grid,comm,small,latency]
 
 Batches of ~32M tokens: "byted" and "github" from bytescale.data.synthetic (2M context), and
 "files": a heavy-tailed real batch present on every machine, one document per installed Python
@@ -23,9 +23,12 @@ its micro-batches in order, a ring starts when all its members are free):
 (kk and megatron are reimplemented here from their projects' published descriptions.)
 
 Reported: step / lower bound, where the bound is max(total work / ranks, the largest piece: a
-sequence at its best ring size, communication included). Latency: best of a few single-threaded
-C++ planning calls, the Python call included, as CPU time of the calling thread (the planner is
-single-threaded: its time on one core, whatever else runs on the machine) and as wall time.
+sequence at its best ring size, communication included). Small worlds (2-64 ranks): the corpora
+scaled so sequences span 1-8 ranks, every strategy's step against a reference schedule (the
+exhaustive optimum where small enough, else a local search started from balanced's plan;
+csrc/planner/reference.h). Latency: best of a few single-threaded C++ planning calls, the Python
+call included, as CPU time of the calling thread (the planner is single-threaded: its time on one
+core, whatever else runs on the machine) and as wall time.
 """
 from __future__ import annotations
 
@@ -260,15 +263,48 @@ def quality(batches, worlds, caps, cm: CostModel, peers: bool):
                     continue
                 lb = base["balanced"].lower_bound
                 step = {s: p.makespan for s, p in base.items()}
-                # balanced keeps the pow2 plan when that replays shorter: count those cases
-                step["net"] = float(base["balanced"].ring_sizes() == base["pow2"].ring_sizes()
-                                    and base["balanced"].makespan == base["pow2"].makespan
-                                    and base["balanced"].raw.num_rings > 0)
+                # balanced keeps the pow2 plan when that replays shorter (the plan then says so)
+                step["net"] = float(base["balanced"].strategy == "pow2")
                 if peers:
                     step["kk"] = verl_kk(lengths, w, cap, cm)
                     step["megatron"] = megatron(lengths, w, cap, cm)
                 parts = base["balanced"].bound_parts
                 rows.append((name, w, cap, lb, step, max(parts, key=parts.get)))
+    return rows
+
+
+def small_world(cm: CostModel, reps: int, worlds=(2, 4, 8, 16, 32, 64), cap: int = 4 * K):
+    """The paper's corpora scaled so that sequences span 1-8 ranks (2M tokens -> 8 x capacity,
+    nothing longer than the world), 1 or 4 capacities' worth of tokens per rank. Every strategy's
+    replayed step against the reference: the exhaustive search where it is small enough (<= 6
+    sequences, <= 8 ranks), else the local search (csrc/planner/reference.h) started from
+    balanced's own plan and from a greedy schedule, 20,000 schedules (fewer above 200 sequences)."""
+    rows = []
+    scale = 8 * cap / MAX_CONTEXT
+    for corpus in ("byted", "github"):
+        for per_rank in (0.25, 1, 4):
+            for w in worlds:
+                lengths = global_batch_lengths(corpus, int(w * cap * per_rank), seed=w,
+                                               scale=scale, max_len=w * cap)
+                opts = _C.planner.PlanOptions()
+                opts.world_size, opts.capacity, opts.cost = w, cap, cm
+                plans = {s: plan(lengths, world_size=w, capacity=cap, strategy=s, cost=cm)
+                         for s in ("balanced", "pow2", "naive")}
+                bal = plans["balanced"]
+                exact = len(lengths) <= 6 and w <= 8
+                budget = 50_000_000 if exact else int(min(20000, 4_000_000 // len(lengths)))
+                t0 = time.process_time()
+                ref, optimal, _ = _C.planner.reference_plan(lengths, opts, exact=exact, budget=budget,
+                                                          start=None if exact else bal.raw)
+                ref_s = time.process_time() - t0
+                cpu = timed(lambda: plan(lengths, world_size=w, capacity=cap, cost=cm), reps,
+                            time.process_time)[0] * 1e3
+                step = {s: p.makespan for s, p in plans.items()}
+                step["megatron"] = megatron(lengths, w, cap, cm)
+                rows.append(dict(corpus=corpus, per_rank=per_rank, world=w, n=len(lengths),
+                                 longest=int(lengths.max()), ref=ref.makespan,
+                                 ref_kind="exact" if optimal else "search", bound=bal.lower_bound,
+                                 step=step, strategy=bal.strategy, ms=cpu, ref_s=ref_s))
     return rows
 
 
@@ -281,6 +317,9 @@ def main(argv=None) -> None:
     ap.add_argument("--png", default=None)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="fewer worlds and capacities")
+    ap.add_argument("--sections", default="grid,comm,small,latency",
+                    help="comma-separated: grid (step / bound at 256-16,384 ranks), comm (the ring "
+                         "communication term), small (2-64 ranks against the reference), latency")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
     cm = CostModel()
@@ -294,8 +333,24 @@ def main(argv=None) -> None:
     worlds = (256, 1024, 4096, 16384) if not a.quick else (256, 4096)
     caps = (2 * K, 4 * K, 8 * K, 16 * K, 32 * K) if not a.quick else (2 * K, 8 * K, 32 * K)
 
-    # --- quality: step / bound --------------------------------------------------------------
-    rows = quality(batches, worlds, caps, cm, peers=True)
+    sections = set(a.sections.split(","))
+    rows, lat = [], []
+    if "grid" in sections:
+        grid(batches, worlds, caps, cm, rows)
+    if "comm" in sections:
+        comm_term(batches, cm)
+    if "small" in sections:
+        small_block(cm, a.reps)
+    if "latency" in sections:
+        latency(cm, a.reps, lat)
+    print(f"\nbenchmark wall time {time.perf_counter() - t_start:.0f} s")
+    if a.png and rows and lat:
+        plot(a.png, rows, lat, caps)
+
+
+def grid(batches, worlds, caps, cm: CostModel, rows) -> None:
+    """Step / lower bound of every strategy and peer at 256-16,384 ranks."""
+    rows.extend(quality(batches, worlds, caps, cm, peers=True))
     print("\nSynchronised step / lower bound (1.000 = optimal under the cost model; '-': the "
           "peer cannot place the longest sequence)\n")
     print("| batch | ranks | capacity | bound (s) | " + " | ".join(STRATS) + " |")
@@ -318,7 +373,9 @@ def main(argv=None) -> None:
         if g:
             print(f"  {s}: step {g[0]:.2f}x balanced's (geo-mean over {g[2]} cases), worst {g[1]:.2f}x")
 
-    # --- how much rests on the ring-communication term ---------------------------------------
+
+def comm_term(batches, cm: CostModel) -> None:
+    """How much rests on the ring-communication term of the cost model."""
     print("\nRing communication term (never measured beyond one GPU): pow2 / balanced step and "
           "balanced's step / bound, byted, with the default ring bandwidth, 10x slower rings, and "
           "no ring cost at all\n")
@@ -338,28 +395,49 @@ def main(argv=None) -> None:
                 print(f"| {w} | {cap // K}K | {label} | {step['balanced'] / lb:.3f} | "
                       f"{step['pow2'] / step['balanced']:.2f} | {fmt(mg / step['balanced'] if mg else None)} |")
 
-    # --- latency ------------------------------------------------------------------------------
-    print("\nLatency (ms, best of %d, one thread, Python call included), 16,384 ranks: CPU time "
-          "of the thread (wall time)\n" % a.reps)
-    print("| tokens | sequences | capacity | balanced | pow2 | naive |\n|---|---|---|---|---|---|")
-    lat = []
-    for mtok in (32, 128):
-        b = global_batch_lengths("byted", mtok << 20, seed=1)
-        for cap in (2 * K, 4 * K, 8 * K, 16 * K, 32 * K):
-            cells, ms = [], []
-            for s in ("balanced", "pow2", "naive"):
-                def call(s=s):
-                    return plan(b, world_size=16384, capacity=cap, strategy=s, cost=cm)
-                cpu = timed(call, a.reps, time.thread_time)[0] * 1e3
-                wall = timed(call, a.reps, time.perf_counter)[0] * 1e3
-                ms.append(cpu)
-                cells.append(f"{cpu:.2f} ({wall:.2f})")
-            lat.append((mtok, cap, ms))
-            print(f"| {mtok}M | {len(b)} | {cap // K}K | " + " | ".join(cells) + " |")
-    print(f"\nbenchmark wall time {time.perf_counter() - t_start:.0f} s")
 
-    if a.png:
-        plot(a.png, rows, lat, caps)
+def small_block(cm: CostModel, reps: int) -> None:
+    """The small-world table: every strategy against the reference at 2-64 ranks."""
+    print("\nSmall worlds (2-64 ranks, capacity 4K; corpora scaled so 2M tokens span 8 ranks, no "
+          "sequence longer than the world): replayed step / the reference's (1.000 = as short; "
+          "the reference is the exhaustive optimum where marked 'exact', else a local search "
+          "started from balanced's plan, so never above it)\n")
+    print("| batch | tokens / rank | ranks | sequences | longest | reference (s) | ref / bound | "
+          "balanced | pow2 | naive | megatron | balanced CPU ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    small = small_world(cm, reps)
+    for r in small:
+        st = r["step"]
+        cells = " | ".join(fmt(None if st[s] is None else st[s] / r["ref"])
+                           for s in ("balanced", "pow2", "naive", "megatron"))
+        name = " (pow2 plan)" if r["strategy"] == "pow2" else ""
+        print(f"| {r['corpus']} | {r['per_rank']:g}C | {r['world']} | {r['n']} | {r['longest']} | "
+              f"{r['ref']:.4f} {r['ref_kind']} | {r['ref'] / r['bound']:.3f} | {cells}{name} | {r['ms']:.2f} |")
+    worst = max(r["step"]["balanced"] / r["ref"] for r in small)
+    never = all(r["step"]["balanced"] <= r["step"]["pow2"] * (1 + 1e-9) for r in small)
+    print(f"\nbalanced: worst step / reference {worst:.3f}; never worse than pow2: {never}")
+
+
+def latency(cm: CostModel, reps: int, lat) -> None:
+    """Planning time at 16,384 ranks (32M and 128M tokens, every capacity) and 1,024 ranks at 2K."""
+    print("\nLatency (ms, best of %d, one thread, Python call included): CPU time of the thread "
+          "(wall time)\n" % reps)
+    print("| ranks | tokens | sequences | capacity | balanced | pow2 | naive |\n|---|---|---|---|---|---|---|")
+    cases = [(16384, mtok, cap) for mtok in (32, 128) for cap in (2 * K, 4 * K, 8 * K, 16 * K, 32 * K)]
+    cases.append((1024, 32, 2 * K))
+    for world, mtok, cap in cases:
+        b = global_batch_lengths("byted", mtok << 20, seed=1)
+        cells, ms = [], []
+        for s in ("balanced", "pow2", "naive"):
+            def call(s=s):
+                return plan(b, world_size=world, capacity=cap, strategy=s, cost=cm)
+            cpu = timed(call, reps, time.thread_time)[0] * 1e3
+            wall = timed(call, reps, time.perf_counter)[0] * 1e3
+            ms.append(cpu)
+            cells.append(f"{cpu:.2f} ({wall:.2f})")
+        if world == 16384:
+            lat.append((mtok, cap, ms))
+        print(f"| {world} | {mtok}M | {len(b)} | {cap // K}K | " + " | ".join(cells) + " |")
 
 
 def plot(path: str, rows, lat, caps) -> None:

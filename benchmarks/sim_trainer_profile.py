@@ -199,7 +199,7 @@ def ring_cases(lengths: np.ndarray, capacity: int, n: int, per_d: int = 7) -> Li
 def _micro_batch_fn(hdp: Any, vocab: int, layout: Any, T: int, positions: torch.Tensor) -> Any:
     """One micro-batch as ``Trainer.train_step`` runs it (forward with ``layout=``, token-level
     loss, backward, the loss's ``.cpu()``) on random tokens."""
-    from bytescale.data.types import MicroBatch
+    from bytescale.runtime.types import MicroBatch
     from bytescale.planner.types import MicroBatchPlan
     from bytescale.runtime import token_level_loss
 

@@ -12,7 +12,7 @@
    DP x CP baseline (CP sized for the longest document; CP=3 at 3 ranks, the power of two does not
    divide 3), with the run_demo.sh options (capacity 256, 4096-token batches, length scale 1/512).
 3. Simulates each logged step: the same lengths (samples log -> the dataset's pieces), the same plan
-   (``bytescale.plan`` with the cost profile the run was given, or ``static_cp_plan``), priced by
+   (``bytescale.plan`` with the cost profile the run was given, strategy ``balanced`` or ``static``), priced by
    the "cpu-gloo" cluster made of the measured numbers: by default the TRAINER-PATH profile
    (benchmarks/sim_trainer_profile.py): a1, b1 and the per-micro-batch overhead g fitted on packed
    micro-batches of real documents and on single documents longer than the capacity, timed
@@ -222,8 +222,7 @@ def simulate_run(nproc: int, strategy: str, files: Dict[str, str], prof: Dict[st
     micro-batches measured in place with ``nproc`` processes); without it the ``bytescale.profile``
     numbers. ``plan_profile``: the cost-profile JSON the run was planned
     with (default: ``prof``'s)."""
-    from bytescale.data.baselines import static_cp_degree
-    from bytescale.planner import CostModel, load_cost_model, plan
+    from bytescale.planner import CostModel, load_cost_model, plan, static_cp_degree
     from bytescale.sim import ClusterSpec, model_shape, simulate
     from bytescale.sim.strategies import schedule_from_plan, static_schedule
     from bytescale.train.build import build_dataset
@@ -275,7 +274,7 @@ def simulate_run(nproc: int, strategy: str, files: Dict[str, str], prof: Dict[st
         lens = all_lengths[np.asarray(batches[step], dtype=np.int64)]
         if strategy == "static":
             cp = 3 if nproc == 3 else static_cp_degree(int(all_lengths.max()), CAPACITY, nproc)
-            sched = static_schedule(lens, nproc, CAPACITY, cp)
+            sched = static_schedule(lens, nproc, CAPACITY, cp, cost=plan_cost)
         else:
             sched = schedule_from_plan("hdp", plan(lens, nproc, CAPACITY, strategy="balanced", cost=plan_cost),
                                        lens, "remote")

@@ -1,17 +1,26 @@
-"""Configuration in one place: the options of the planner, the loader and the runtime, and the
-list of environment knobs.
+"""Configuration in one place: the options of the planner, the loader, the runtime and the mesh,
+and the list of environment knobs.
 
-Training scripts fill these (``python -m bytescale.train`` from its TrainConfig); every other API takes
+Training scripts fill these (``python -m bytescale.train`` derives its option sections from these
+fields: their help, choices and bounds live here, in each field's metadata); every other API takes
 them rather than loose keyword arguments.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple
 
-__all__ = ["PlannerConfig", "LoaderConfig", "RuntimeConfig", "ENV_KNOBS"]
+__all__ = ["PlannerConfig", "LoaderConfig", "RuntimeConfig", "ParallelConfig", "ENV_KNOBS", "option"]
 
 STRATEGIES = ("balanced", "naive", "pow2", "static")
+
+
+def option(default: Any = None, help: str = "", choices: Optional[Tuple[Any, ...]] = None,
+           min: Optional[float] = None, required: bool = False):
+    """A config field with its help text, choices and lower bound (read by ``bytescale.train``'s
+    option parser and ``--help``)."""
+    meta = {"help": help, "choices": choices, "min": min}
+    return field(metadata=meta) if required else field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -21,19 +30,23 @@ class PlannerConfig:
     capacity: tokens per micro-batch per rank (before ``memory`` multipliers).
     strategy: "balanced" (ours), "naive" (paper Alg. 1), "pow2" (Megatron-style dynamic CP) or
         "static" (the DP x CP baseline: one CP degree for every sequence, ``static_cp`` or the
-        smallest power of two holding the longest sequence).
-    offload: let long sequences offload activations (paper Eq. 3) to use fewer ranks.
+        smallest power of two holding the step's longest sequence); all are C++ planner strategies
+        returning the same :class:`bytescale.planner.Plan`.
+    offload: let long sequences offload activations (paper Eq. 3) to use fewer ranks (not with
+        "static": the baseline does not offload).
     cost: a CostModel, a JSON profile path, a dict of coefficients, or None (defaults).
     speed, memory: per-rank relative speed and capacity multipliers (heterogeneous clusters).
     """
 
-    capacity: int
-    strategy: str = "balanced"
-    offload: bool = False
-    cost: Any = None
-    speed: Optional[Tuple[float, ...]] = None
-    memory: Optional[Tuple[float, ...]] = None
-    static_cp: Optional[int] = None
+    capacity: int = option(help="tokens per micro-batch per rank (per HDP unit with tensor parallelism)",
+                           min=1, required=True)
+    strategy: str = option("balanced", "planner strategy; static is the DP x CP baseline", choices=STRATEGIES)
+    offload: bool = option(False, "let the planner offload activations of long sequences (paper Eq. 3)")
+    cost: Any = option(None, "planner cost model (a JSON profile from bytescale.profile, a dict, a CostModel)")
+    speed: Optional[Tuple[float, ...]] = option(None, "per-rank relative speeds")
+    memory: Optional[Tuple[float, ...]] = option(None, "per-rank capacity multipliers")
+    static_cp: Optional[int] = option(None, "CP degree of the static baseline (none: sized for the longest "
+                                            "document)", min=1)
 
     def __post_init__(self) -> None:
         if isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 1:
@@ -42,17 +55,21 @@ class PlannerConfig:
             raise ValueError(f"PlannerConfig.strategy {self.strategy!r} is not one of {STRATEGIES}")
         if self.static_cp is not None and self.strategy != "static":
             raise ValueError("PlannerConfig.static_cp applies to strategy='static' only")
+        if self.static_cp is not None and (isinstance(self.static_cp, bool) or not isinstance(self.static_cp, int)
+                                           or self.static_cp < 1):
+            raise ValueError(f"PlannerConfig.static_cp must be an integer >= 1 (or None), got {self.static_cp!r}")
+        if self.strategy == "static" and self.offload:
+            raise ValueError("PlannerConfig: strategy='static' (the DP x CP baseline) does not offload; "
+                             "set offload=False or choose an HDP strategy")
 
-    def plan(self, lengths, world_size: int):
-        """Plan one global batch of ``lengths`` over ``world_size`` ranks."""
-        if self.strategy == "static":
-            from .data.baselines import static_cp_plan
-
-            return static_cp_plan(lengths, world_size, self.capacity, self.static_cp)
+    def plan(self, lengths, world_size):
+        """Plan one global batch of ``lengths`` over ``world_size`` ranks, or over the HDP units of
+        a :class:`bytescale.planner.UnitMap` (:func:`bytescale.plan`)."""
         from .planner import plan
 
         return plan(lengths, world_size=world_size, capacity=self.capacity, strategy=self.strategy,
-                    offload=self.offload, cost=self.cost, speed=self.speed, memory=self.memory)
+                    offload=self.offload, cost=self.cost, speed=self.speed, memory=self.memory,
+                    static_cp=self.static_cp)
 
 
 @dataclass(frozen=True)
@@ -69,12 +86,12 @@ class LoaderConfig:
     max_steps: stop after this many steps (None: endless).
     """
 
-    tokens_per_batch: int
-    seed: int = 0
-    prefetch: bool = True
-    check_plan: bool = True
-    lockstep: bool = False
-    max_steps: Optional[int] = None
+    tokens_per_batch: int = option(help="global batch size in tokens", min=1, required=True)
+    seed: int = option(0, "seed of the global batch order")
+    prefetch: bool = option(True, "prepare the next step while this one trains")
+    check_plan: bool = option(True, "compare a fingerprint of each step's plan across ranks")
+    lockstep: bool = option(False, "every rank runs the same number of micro-batch slots (FSDP2)")
+    max_steps: Optional[int] = option(None, "stop after this many steps", min=0)
 
     def __post_init__(self) -> None:
         if isinstance(self.tokens_per_batch, bool) or not isinstance(self.tokens_per_batch, int) \
@@ -94,16 +111,39 @@ class RuntimeConfig:
     device when a micro-batch offloads.
     """
 
-    bucket_cap_mb: float = 25.0
-    broadcast_parameters: bool = True
-    bf16_grad_comm: bool = False
-    offload_min_bytes: int = 1 << 16
+    bucket_cap_mb: float = option(25.0, "gradient all-reduce bucket size (MiB)", min=0.0)
+    broadcast_parameters: bool = option(True, "start every replica from the first rank's parameters")
+    bf16_grad_comm: bool = option(False, "ring attention's dK/dV traffic in bf16")
+    offload_min_bytes: int = option(1 << 16, "saved activations smaller than this stay on the device", min=0)
 
     def __post_init__(self) -> None:
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"RuntimeConfig.bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
         if self.offload_min_bytes < 0:
             raise ValueError(f"RuntimeConfig.offload_min_bytes must be >= 0, got {self.offload_min_bytes}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is laid out over the mesh (:func:`bytescale.init_mesh`,
+    :func:`bytescale.models.parallel.tensor_parallel`, FSDP2).
+
+    tp: tensor-parallel ranks per HDP unit (TP innermost). sequence_parallel: norms on tokens / tp.
+    fsdp: shard parameters, gradients and optimizer state with FSDP2 over the HDP dimension.
+    """
+
+    tp: int = option(1, "tensor-parallel degree: ranks per HDP unit (the mesh is hdp x tp, TP innermost; the "
+                        "planner plans world/tp units)", min=1)
+    sequence_parallel: bool = option(False, "with tp > 1: norms on tokens/tp (sequence parallelism; the "
+                                            "package's Llama)")
+    fsdp: bool = option(False, "shard parameters, gradients and optimizer state with FSDP2 fully_shard over "
+                               "the HDP dimension")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"ParallelConfig.tp must be an integer >= 1, got {self.tp!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("ParallelConfig.sequence_parallel needs tp > 1")
 
 
 ENV_KNOBS = {

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # All tests: the C++ GoogleTest suite (ctest) and the Python suite (pytest, multi-process tests
-# included). Installs and builds what it needs first (scripts/setup_env.sh).
+# included). Installs and builds what it needs first (scripts/setup_env.sh); on a built tree that
+# finds out in seconds, and the GoogleTest and sanitizer builds (build-cpp, build-asan) are
+# incremental too. PYTHON picks the interpreter (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+PY=${PYTHON:-python3}
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$(pwd -P)}  # as setup_env.sh: cache hits across clones
 
 echo "== C++ tests (GoogleTest) =="
 cmake -S . -B build-cpp -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
@@ -15,4 +19,4 @@ bash scripts/sanitize.sh
 
 echo "== Python tests (pytest) =="
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-python3 -m pytest tests -q "$@"
+"$PY" -m pytest tests -q "$@"

@@ -1,4 +1,5 @@
-"""Test layout: one folder per subsystem (comm, attention, planner, runtime, data, cuda).
+"""Test layout: one folder per subsystem (comm, attention, planner, runtime, data, train, sim, cuda)
+and build (setup.py's build command).
 
 Tests that start real processes (``dist_utils.run_distributed``) are marked ``multiprocess``
 automatically, so ``pytest -m "not multiprocess"`` runs the fast single-process ones only.

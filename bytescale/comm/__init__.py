@@ -10,6 +10,18 @@ microseconds, with no communication and no new communicator: its collectives run
 algorithms (ring all-gather / reduce-scatter, pipelined broadcast, pairwise all-to-all) on the
 world backend's transports.
 
+Static and dynamic groups
+-------------------------
+A subgroup made collectively (``dist.new_group``, ``dist.split_group``, a ``DeviceMesh``,
+:func:`bytescale.init_mesh`) is a STATIC group by default: it gets communicators of its own, a Gloo
+context of its members on CPU and, on CUDA, an NCCL communicator split from the world's (when the
+world is bound to a device: ``init_process_group(..., device_id=...)``; otherwise created on the
+group's first CUDA collective), so its collectives are native ones and never share a channel with
+the world's point-to-point traffic. Tensor-, pipeline- and expert-parallel groups are static. A
+group built per micro-batch (a ring) is DYNAMIC: :func:`dynamic_group`, or
+``dist.new_group(ranks, pg_options=bytescale.comm.GroupOptions(kind="dynamic"))``; it allocates
+nothing and runs on the world's transports (the contract below).
+
 Ordering contract for dynamic groups
 ------------------------------------
 * Every member of a group calls the group's collectives in the same order.
@@ -39,6 +51,7 @@ import datetime
 import sys
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -46,9 +59,11 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .. import _C
+from .. import _torch_private as _tp
 
 __all__ = [
     "BACKEND_NAME",
+    "GroupOptions",
     "agree",
     "DynamicGroup",
     "dynamic_group",
@@ -68,6 +83,28 @@ def _as_timedelta(t) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(t))
 
 
+GROUP_KINDS = ("static", "dynamic")
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    """``pg_options`` of ``dist.new_group(..., backend="bytescale")`` (or of a DeviceMesh's
+    ``backend_override``): which kind of subgroup to make.
+
+    kind: ``"static"`` (the default, also without options): communicators of its own, native
+        collectives (Gloo on CPU, NCCL split from the world's on CUDA); for groups that live long
+        (tensor, pipeline, expert parallelism, FSDP over a mesh dimension). ``"dynamic"``: no
+        communicator, P2P algorithms on the world's transports (:func:`dynamic_group`).
+    """
+
+    kind: str = "static"
+    _timeout: Optional[datetime.timedelta] = None  # read by DeviceMesh's backend_override
+
+    def __post_init__(self) -> None:
+        if self.kind not in GROUP_KINDS:
+            raise ValueError(f"bytescale.comm.GroupOptions: kind {self.kind!r} is not one of {GROUP_KINDS}")
+
+
 class _NamedProcessGroup(_C.comm.NamedProcessGroup):
     """A process group whose every device runs one bytescale backend, named "bytescale".
 
@@ -76,11 +113,12 @@ class _NamedProcessGroup(_C.comm.NamedProcessGroup):
     class is C++ (``csrc/bindings/comm.cpp``): collectives dispatch without the GIL.
     """
 
-    def __init__(self, backend, bound_device_id=None):
-        super().__init__(backend.rank(), backend.size())
-        for dev in ("cpu", "cuda"):
-            self._register_backend(torch.device(dev), ProcessGroup.BackendType.CUSTOM, backend)
-        self._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+    def __init__(self, backend, bound_device_id=None, store=None):
+        if store is not None:  # ProcessGroup::splitGroup derives the children's stores from it
+            super().__init__(store, backend.rank(), backend.size())
+        else:
+            super().__init__(backend.rank(), backend.size())
+        _tp.register_backend(self, backend)
         if bound_device_id is not None:
             self.bound_device_id = bound_device_id
 
@@ -88,14 +126,11 @@ class _NamedProcessGroup(_C.comm.NamedProcessGroup):
 def _only_bytescale(caller_frame) -> bool:
     """True when the group being created maps every device to bytescale (not "cpu:gloo,cuda:bytescale").
 
-    torch.distributed's creator API does not pass the backend string, so this reads the caller's
-    ``backend_config`` (torch's ``_new_process_group_helper``); anything unexpected answers False.
+    torch.distributed's creator API does not pass the backend string (read from the caller's
+    frame through :mod:`bytescale._torch_private`); anything unexpected answers False.
     """
-    try:
-        mapping = caller_frame.f_locals["backend_config"].get_device_backend_map()
-        return bool(mapping) and all(str(v) == BACKEND_NAME for v in mapping.values())
-    except Exception:  # noqa: BLE001 - another torch version: keep c10d's own ProcessGroup
-        return False
+    mapping = _tp.creator_device_backends(caller_frame)
+    return bool(mapping) and all(v == BACKEND_NAME for v in mapping.values())
 
 
 def _named(backend, dist_opts, caller_frame):
@@ -103,20 +138,36 @@ def _named(backend, dist_opts, caller_frame):
     bytescale's alone (torch then uses the returned ProcessGroup as the group)."""
     if not _only_bytescale(caller_frame):
         return backend
-    c10d = dist.distributed_c10d
     if dist.get_debug_level() == dist.DebugLevel.DETAIL and dist.is_gloo_available():
         # What torch does for a backend it wraps itself (TORCH_DISTRIBUTED_DEBUG=DETAIL): the
         # ProcessGroupWrapper's cross-rank desync checks (op, shapes, sequence numbers).
-        backend = c10d._create_process_group_wrapper(
-            wrapped_pg=backend,
-            store_prefix=str(dist_opts.group_id),
-            store=dist_opts.store,
-            rank=dist_opts.group_rank,
-            world_size=dist_opts.group_size,
-            timeout=_as_timedelta(dist_opts.timeout),
-        )
+        backend = _tp.debug_wrapper(backend, str(dist_opts.group_id), dist_opts.store,
+                                    dist_opts.group_rank, dist_opts.group_size,
+                                    _as_timedelta(dist_opts.timeout))
     torch_pg = getattr(dist_opts, "process_group", None)
-    return _NamedProcessGroup(backend, getattr(torch_pg, "bound_device_id", None))
+    return _NamedProcessGroup(backend, getattr(torch_pg, "bound_device_id", None), dist_opts.store)
+
+
+def _group_kind(pg_options) -> str:
+    if pg_options is None:
+        return "static"
+    kind = getattr(pg_options, "kind", None)
+    if kind not in GROUP_KINDS:
+        raise TypeError(f"bytescale: pg_options must be a bytescale.comm.GroupOptions (kind static or "
+                        f"dynamic), got {pg_options!r}")
+    return kind
+
+
+def _static_backend(dist_opts, caller, global_ranks, timeout):
+    """A static group: a Gloo context of the members, and the CUDA communicator split from the
+    world's when torch passes a split source (a device-bound world) and every rank takes part."""
+    store = dist_opts.store
+    rank, size = dist_opts.group_rank, dist_opts.group_size
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("bytescale/gloo/", store), rank, size, timeout)
+    parent = getattr(dist_opts, "split_from", None)
+    if not isinstance(parent, _C.comm.BytescaleBackend) or _tp.creator_local_synchronization(caller):
+        parent = None  # no split: the group's own CUDA communicator, made by its members
+    return _C.comm.BytescaleBackend.static_group(store, rank, timeout, gloo, global_ranks, parent)
 
 
 def _create_backend(dist_opts, pg_options):
@@ -129,9 +180,12 @@ def _create_backend(dist_opts, pg_options):
     global_ranks = list(dist_opts.global_ranks_in_group)
     with _lock:
         if global_ranks and _world_backend is not None:
-            # A subgroup (dist.new_group / DeviceMesh): a dynamic group on the world communicator.
-            world = dist.get_world_size()
-            backend = _C.comm.DynamicGroupBackend(global_ranks, world, dist.get_rank(), timeout=timeout)
+            # A subgroup (dist.new_group / DeviceMesh): static unless asked for a dynamic one.
+            if _group_kind(pg_options) == "dynamic":
+                world = dist.get_world_size()
+                backend = _C.comm.DynamicGroupBackend(global_ranks, world, dist.get_rank(), timeout=timeout)
+            else:
+                backend = _static_backend(dist_opts, caller, global_ranks, timeout)
             return _named(backend, dist_opts, caller)
         if global_ranks and len(global_ranks) != size:
             raise RuntimeError(
@@ -187,14 +241,10 @@ class DynamicGroup(_C.comm.NamedProcessGroup):
         self._backend = backend
         self._ranks = tuple(backend.ranks)
         super().__init__(backend.group_rank, len(self._ranks))
-        for dev in ("cpu", "cuda"):
-            self._register_backend(torch.device(dev), ProcessGroup.BackendType.CUSTOM, backend)
-        self._set_default_backend(ProcessGroup.BackendType.CUSTOM)
-        # torch.distributed translates global ranks (src=, dst=, P2P peers) through pg_group_ranks
-        # and names the backend (in logs and errors) through pg_map.
-        w = dist.distributed_c10d._world
-        w.pg_group_ranks[self] = {g: i for i, g in enumerate(self._ranks)}
-        w.pg_map[self] = (BACKEND_NAME, w.pg_map[dist.distributed_c10d._get_default_group()][1])
+        _tp.register_backend(self, backend)
+        # torch.distributed translates global ranks (src=, dst=, P2P peers) and names the backend
+        # (in logs and errors) through its _world tables.
+        _tp.register_group(self, self._ranks, BACKEND_NAME)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -230,9 +280,7 @@ class DynamicGroup(_C.comm.NamedProcessGroup):
         return None
 
     def _release(self) -> None:
-        w = dist.distributed_c10d._world
-        w.pg_group_ranks.pop(self, None)
-        w.pg_map.pop(self, None)
+        _tp.unregister_group(self)
 
     def __repr__(self) -> str:
         return f"DynamicGroup(ranks={list(self._ranks)})"

@@ -1,4 +1,4 @@
-"""Data: token stores and corpora, the data service, the plan-driven HDP loader, the static baseline.
+"""Data: token stores and corpora, the data service, the plan-driven HDP loader.
 
 The data path: ``python -m bytescale.data.prepare`` (:mod:`.prepare`) turns raw corpora into a
 :class:`TokenStore`; a :class:`MixingSpec` declares sources, weights, filters and curriculum; a
@@ -6,7 +6,6 @@ The data path: ``python -m bytescale.data.prepare`` (:mod:`.prepare`) turns raw 
 each rank only its token ranges through a :class:`BatchSource` client (:mod:`.source`); the
 :class:`HDPLoader` plans each global batch and materialises this rank's micro-batches.
 """
-from .baselines import StaticPlan, static_cp_degree, static_cp_plan
 from .dataset import InMemoryTokens, SyntheticTokens, TokenDataset
 from .loader import GlobalBatchSampler, HDPLoader, materialize
 from .mixing import CurriculumStage, MixingSampler, MixingSpec, SourceSpec
@@ -15,12 +14,12 @@ from .source import BatchSource, DatasetSource, GlobalBatch
 from .synthetic import corpus_stats, global_batch_lengths, sample_lengths
 from .token_store import TokenStore, TokenStoreWriter
 from .tokenizer import ByteTokenizer, load_tokenizer
-from .types import IGNORE_INDEX, MicroBatch, Step
+from ..runtime.types import IGNORE_INDEX, MicroBatch, Step  # moved to bytescale.runtime; kept here
 
 __all__ = [
     "InMemoryTokens", "SyntheticTokens", "TokenDataset", "GlobalBatchSampler", "HDPLoader",
     "MicroBatch", "Step", "IGNORE_INDEX", "materialize", "corpus_stats",
-    "global_batch_lengths", "sample_lengths", "StaticPlan", "static_cp_plan", "static_cp_degree",
+    "global_batch_lengths", "sample_lengths",
     "TokenStore", "TokenStoreWriter", "ByteTokenizer", "load_tokenizer",
     "GlobalBatch", "BatchSource", "DatasetSource",
     "MixingSpec", "SourceSpec", "CurriculumStage", "MixingSampler",

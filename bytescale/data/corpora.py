@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import site
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -91,7 +92,8 @@ def python_packages(max_packages: Optional[int] = None, max_bytes: Optional[int]
         found += _candidates(Path(paths["stdlib"]), "stdlib")
     if site_packages:
         seen = set()
-        for r in sorted({paths["purelib"], paths["platlib"]}):
+        # a venv made with --system-site-packages also imports the system's packages
+        for r in sorted({paths["purelib"], paths["platlib"], *site.getsitepackages()}):
             for name, entry in _candidates(Path(r), "site"):
                 if name not in seen:
                     seen.add(name)

@@ -35,9 +35,10 @@ import torch
 
 from ..config import LoaderConfig, PlannerConfig, RuntimeConfig
 from ..planner.types import MicroBatchPlan
+from ..planner.units import UnitMap
 from .dataset import TokenDataset
 from .source import BatchSource, DatasetSource, GlobalBatch
-from .types import IGNORE_INDEX, MicroBatch, Step
+from ..runtime.types import IGNORE_INDEX, MicroBatch, Step
 
 __all__ = ["GlobalBatchSampler", "HDPLoader", "materialize"]
 
@@ -122,6 +123,22 @@ class GlobalBatchSampler:
         self._perm = self._permutation(self.epoch)
 
 
+def _unit_map(units: Any, world_size: int) -> UnitMap:
+    """The loader's HDP units: a UnitMap, a bytescale Mesh's, the current mesh's, or one rank each."""
+    if units is None:
+        from ..comm.mesh import current_mesh
+
+        mesh = current_mesh()
+        units = mesh.units if mesh is not None else UnitMap.identity(world_size)
+    units = getattr(units, "units", units) if not isinstance(units, UnitMap) else units
+    if not isinstance(units, UnitMap):
+        raise TypeError(f"HDPLoader: units must be a bytescale.planner.UnitMap or a bytescale.Mesh, "
+                        f"got {type(units).__name__}")
+    if any(r >= world_size for r in units.ranks):
+        raise ValueError(f"HDPLoader: the unit map {units.describe()} names ranks beyond the world of {world_size}")
+    return units
+
+
 def _plan_fingerprint(specs_by_rank_digest: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(specs_by_rank_digest, digest_size=8).digest(), "little") >> 1
 
@@ -137,6 +154,10 @@ class HDPLoader:
         config: batch size, seed, prefetch, plan check, lockstep (:class:`~bytescale.config.LoaderConfig`).
         rank, world_size: this rank and the HDP world (default: torch.distributed's).
         runtime: ``bf16_grad_comm`` of the layouts (:class:`~bytescale.config.RuntimeConfig`).
+        units: the HDP units to plan (a :class:`~bytescale.planner.UnitMap`, or a
+            :class:`bytescale.Mesh`; default: the mesh of :func:`bytescale.init_mesh` if one was
+            made, else one rank per unit). Every TP rank of a unit gets the unit's micro-batches in
+            the same order, each ring over the ranks of its own TP index.
     """
 
     def __init__(
@@ -147,6 +168,7 @@ class HDPLoader:
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         runtime: Optional[RuntimeConfig] = None,
+        units: Optional[Any] = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -164,6 +186,9 @@ class HDPLoader:
         self.world_size = dist.get_world_size() if world_size is None else int(world_size)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"HDPLoader: rank {self.rank} outside [0, {self.world_size})")
+        self.units = _unit_map(units, self.world_size)
+        if self.rank not in self.units:
+            raise ValueError(f"HDPLoader: rank {self.rank} is in no HDP unit of {self.units.describe()}")
         self.step_index = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if config.prefetch else None
         self._pending: Optional[concurrent.futures.Future] = None
@@ -192,7 +217,7 @@ class HDPLoader:
     # -- steps ---------------------------------------------------------------------------------
     def _build(self, step_index: int, batch: GlobalBatch) -> Step:
         sample_ids, lengths = list(batch.sample_ids), [int(n) for n in batch.lengths]
-        plan = self.planner.plan(lengths, self.world_size)
+        plan = self.planner.plan(lengths, self.units if not self.units.is_identity else self.units.num_units)
         if self.config.lockstep:  # FSDP2: the plan's lockstep slots (C++, csrc/planner/replay.h)
             mine = plan.lockstep_micro_batches(self.rank, sample_ids)
         else:
@@ -200,9 +225,10 @@ class HDPLoader:
         bf16 = self.runtime.bf16_grad_comm
         micro = tuple(materialize(self.source, mb, bf16) for mb in mine)
         gl_tokens = int(sum(lengths))
-        step = Step(step_index, tuple(sample_ids), gl_tokens, gl_tokens - len(lengths), micro, plan)
+        step = Step(step_index, tuple(sample_ids), gl_tokens, gl_tokens - len(lengths), micro, plan, batch=batch)
         step.info["fingerprint"] = _plan_fingerprint(
-            repr((list(sample_ids), lengths, self.world_size)).encode() + bytes(plan.to_bytes()))
+            repr((list(sample_ids), lengths, self.world_size, self.units.to_list())).encode()
+            + bytes(plan.to_bytes()))
         return step
 
     def _next_batch(self) -> Tuple[int, GlobalBatch, Dict[str, Any]]:

@@ -91,10 +91,18 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, Optiona
 
 
 class Attention(nn.Module):
+    """GQA attention. ``n_heads`` / ``n_kv_heads`` are the heads this module computes: all of them,
+    or a tensor-parallel rank's share (set by :func:`bytescale.models.parallel.tensor_parallel`,
+    which also sets ``kv_share`` when the TP degree exceeds the KV heads: every rank then computes
+    the one KV head its query heads use from the replicated K/V weights)."""
+
     def __init__(self, cfg: LlamaConfig, attn_fn: AttentionFn) -> None:
         super().__init__()
         self.cfg = cfg
         self.attn_fn = attn_fn
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.kv_share: Optional[Tuple[int, object]] = None  # (KV head, TP process group)
         hd = cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
@@ -104,13 +112,18 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layout: Optional[Layout] = None) -> torch.Tensor:
         T = x.shape[0]
         hd = self.cfg.head_dim
-        q = self.wq(x).view(T, self.cfg.n_heads, hd)
-        k = self.wk(x).view(T, self.cfg.n_kv_heads, hd)
-        v = self.wv(x).view(T, self.cfg.n_kv_heads, hd)
+        q = self.wq(x).view(T, self.n_heads, hd)
+        if self.kv_share is None:
+            k = self.wk(x).view(T, self.n_kv_heads, hd)
+            v = self.wv(x).view(T, self.n_kv_heads, hd)
+        else:
+            from .parallel import shared_kv
+
+            k, v = shared_kv(self, x)
         q = rope(q, position_ids, self.cfg.rope_theta)
         k = rope(k, position_ids, self.cfg.rope_theta)
         o = self.attn_fn(q, k, v, 1.0 / math.sqrt(hd), layout)
-        return self.wo(o.reshape(T, self.cfg.n_heads * hd))
+        return self.wo(o.reshape(T, self.n_heads * hd))
 
 
 class MLP(nn.Module):
@@ -226,5 +239,5 @@ class Llama(nn.Module):
         if not return_aux:
             return logits
         if aux is None:
-            return logits, logits.new_zeros((), dtype=torch.float32)
+            return logits, torch.zeros((), dtype=torch.float32, device=input_ids.device)
         return logits, aux * self.cfg.router_aux_coef

@@ -11,10 +11,20 @@ The model of a step (the runtime executes exactly this, and the planner optimise
 runs its micro-batches in the plan's order; a local micro-batch starts when its rank is free; a ring
 micro-batch starts only when all members of its group are free and ends on all of them together.
 
+With tensor parallelism the planner's ranks are HDP *units* (:class:`UnitMap`): a plan carries the
+map from unit to global ranks, ``plan.micro_batches(rank)`` takes a GLOBAL rank and returns its
+unit's micro-batches with each ring translated to the ranks of that rank's TP index. Everything
+indexed by rank in the plan's arrays (``idle``, ``rank_cost``, ``num_micro_batches``,
+``world_size``) is indexed by unit.
+
 Strategies: ``"balanced"`` (ours, sync-aware: rings placed on a timeline of when ranks become free,
 any-integer ring sizes chosen by cost, short sequences fitted into the waits and tails; never worse
-than pow2 under the replay), ``"naive"`` (the paper's Alg. 1: memory-driven, token-balanced) and
-``"pow2"`` (Megatron-style dynamic CP: D rounded up to a power of two) for comparison.
+than pow2 under the replay; small instances refined by a budgeted search over list schedules),
+``"naive"`` (the paper's Alg. 1: memory-driven, token-balanced),
+``"pow2"`` (Megatron-style dynamic CP: D rounded up to a power of two) and ``"static"`` (the static
+DP x CP baseline: one CP degree, :func:`static_cp_degree` or ``static_cp``, every sequence sharded
+over its replica's CP group, several sequences packed into one ring micro-batch) for comparison.
+Every strategy returns the same :class:`Plan`.
 """
 from __future__ import annotations
 
@@ -29,8 +39,10 @@ import numpy as np
 from .. import _C
 
 from .types import DocRef, MicroBatchPlan
+from .units import UnitMap
 
-__all__ = ["CostModel", "Plan", "DocRef", "MicroBatchPlan", "Replay", "load_cost_model", "plan", "profile"]
+__all__ = ["CostModel", "Plan", "DocRef", "MicroBatchPlan", "Replay", "UnitMap", "load_cost_model", "plan",
+           "profile", "static_cp_degree"]
 
 CostModel = _C.planner.CostModel
 
@@ -86,12 +98,30 @@ class Plan:
     every member lists a group's ring micro-batches in the same relative order (global ring id).
     """
 
-    def __init__(self, cplan: "_C.planner.Plan", lengths: Optional[np.ndarray] = None) -> None:
+    def __init__(self, cplan: "_C.planner.Plan", lengths: Optional[np.ndarray] = None,
+                 units: Optional[UnitMap] = None) -> None:
         self._p = cplan
         if lengths is None:  # every token is held exactly once: lengths are the segments' sums
             lengths = np.bincount(np.asarray(cplan.seg_seq), weights=np.asarray(cplan.seg_tokens),
                                   minlength=int(cplan.num_sequences)).astype(np.int64)
         self.lengths = lengths
+        self.units = self.check_units(units, cplan.world_size)
+
+    @staticmethod
+    def check_units(units: Optional[UnitMap], world_size: int) -> UnitMap:
+        """``units`` (default: one rank per unit) checked against a plan of ``world_size`` units."""
+        if units is None:
+            return UnitMap.identity(world_size)
+        if not isinstance(units, UnitMap):
+            raise TypeError(f"Plan: units must be a bytescale.planner.UnitMap, got {type(units).__name__}")
+        if units.num_units != world_size:
+            raise ValueError(f"Plan: the plan is for {world_size} HDP units but the unit map has "
+                             f"{units.num_units} ({units.describe()})")
+        return units
+
+    def with_units(self, units: Optional[UnitMap]) -> "Plan":
+        """The same plan over another map of its units to global ranks."""
+        return Plan(self._p, self.lengths, units)
 
     # predictions (the default cost model's, or the profile's)
     @property
@@ -156,6 +186,8 @@ class Plan:
 
     @property
     def strategy(self) -> str:
+        """The strategy that built this plan: ``"pow2"`` when ``"balanced"`` kept the power-of-two
+        plan because it replays shorter."""
         return self._p.strategy
 
     @property
@@ -181,35 +213,42 @@ class Plan:
         return _C.planner.lockstep(self._p)
 
     def lockstep_micro_batches(self, rank: int, sample_ids: Optional[Sequence[int]] = None) -> List[MicroBatchPlan]:
-        """Rank ``rank``'s micro-batches by lockstep slot (:meth:`lockstep`): an empty
-        :class:`MicroBatchPlan` for a padding slot; ``index`` is the slot."""
+        """Global rank ``rank``'s micro-batches by lockstep slot (:meth:`lockstep`, slots of its
+        unit): an empty :class:`MicroBatchPlan` for a padding slot; ``index`` is the slot."""
+        unit = self.units.unit_of(rank)
         slots = self.lockstep()
         mine = self.micro_batches(rank, sample_ids)
-        base = int(self._p.rank_mb[rank])
+        base = int(self._p.rank_mb[unit])
         last = slots.shape[1] - 1  # ring members meet in one slot: the last slot ends every member
         return [MicroBatchPlan(rank, k) if m < 0 else
                 replace(mine[int(m) - base], index=k, ring_is_last_on_all=bool(mine[int(m) - base].ring) and k == last)
-                for k, m in enumerate(slots[rank].tolist())]
+                for k, m in enumerate(slots[unit].tolist())]
 
     def num_micro_batches(self, rank: Optional[int] = None) -> Union[int, np.ndarray]:
         counts = np.diff(self._p.rank_mb)
         return counts if rank is None else int(counts[rank])
 
     def micro_batches(self, rank: int, sample_ids: Optional[Sequence[int]] = None) -> List[MicroBatchPlan]:
-        """Rank ``rank``'s micro-batches in execution order, read straight from the plan's arrays.
+        """Global rank ``rank``'s micro-batches in execution order, read straight from the plan's
+        arrays: those of its HDP unit, each ring over the ranks of its TP index.
 
         ``sample_ids`` (the batch's dataset ids, by position) fills each document's ``sample_id``.
         """
         p = self._p
-        if not 0 <= rank < p.world_size:
-            raise IndexError(f"Plan.micro_batches: rank {rank} outside [0, {p.world_size})")
+        if self.units.is_identity:
+            if not 0 <= rank < p.world_size:
+                raise IndexError(f"Plan.micro_batches: rank {rank} outside [0, {p.world_size})")
+            unit, tp_index = rank, 0
+        else:
+            unit, tp_index = self.units.locate(rank)
+        units = self.units
         lengths = self.lengths
         rank_mb, mb_seg = p.rank_mb, p.mb_seg
         seg_seq, seg_size, seg_pos = p.seg_seq, p.seg_ring_size, p.seg_ring_pos
         grp, ring_grp, ring_ids, ratio, cost = p.grp_ranks, p.ring_grp, p.mb_ring, p.mb_offload, p.mb_cost
         last_ring = self._last_ring_of_each_rank()
         out = []
-        for i, m in enumerate(range(int(rank_mb[rank]), int(rank_mb[rank + 1]))):
+        for i, m in enumerate(range(int(rank_mb[unit]), int(rank_mb[unit + 1]))):
             local, sharded, pos = [], [], 0
             for k in range(int(mb_seg[m]), int(mb_seg[m + 1])):
                 bp = int(seg_seq[k])
@@ -220,15 +259,17 @@ class Plan:
                 else:
                     local.append(ref)
             rid = int(ring_ids[m])
-            ring = () if rid < 0 else tuple(int(r) for r in grp[int(ring_grp[rid]):int(ring_grp[rid + 1])])
+            ring_units = [] if rid < 0 else grp[int(ring_grp[rid]):int(ring_grp[rid + 1])].tolist()
+            ring = () if rid < 0 else units.ring(ring_units, tp_index)
             out.append(MicroBatchPlan(rank=rank, index=i, local=tuple(local), sharded=tuple(sharded),
                                       ring=ring, ring_pos=pos, ring_id=int(ring_ids[m]),
                                       offload_ratio=float(ratio[m]), predicted_time=float(cost[m]),
-                                      ring_is_last_on_all=bool(ring) and all(last_ring[r] == rid for r in ring)))
+                                      ring_is_last_on_all=bool(ring) and all(last_ring[u] == rid for u in ring_units)))
         return out
 
     def _last_ring_of_each_rank(self) -> List[int]:
-        """Per rank, the ring id of its last micro-batch (-1: a local one, -2: none)."""
+        """Per HDP unit (the planner's ranks), the ring id of its last micro-batch (-1: a local
+        one, -2: none)."""
         p = self._p
         rank_mb, ring_ids = np.asarray(p.rank_mb), np.asarray(p.mb_ring)
         return [int(ring_ids[rank_mb[r + 1] - 1]) if rank_mb[r + 1] > rank_mb[r] else -2
@@ -251,7 +292,9 @@ class Plan:
     def summary(self) -> str:
         mbs = self.num_micro_batches()
         rings = self.ring_sizes()
-        return (f"plan[{self.strategy}] ranks={self.world_size} micro-batches/rank "
+        where = (f"ranks={self.world_size}" if self.units.tp == 1 else
+                 f"units={self.world_size} x tp={self.units.tp}")
+        return (f"plan[{self.strategy}] {where} micro-batches/{'rank' if self.units.tp == 1 else 'unit'} "
                 f"min={int(mbs.min()) if len(mbs) else 0} max={int(mbs.max()) if len(mbs) else 0} "
                 f"sharded={len(rings)} ring sizes={sorted(rings.values(), reverse=True)[:8]} "
                 f"predicted step={self.makespan * 1e3:.2f} ms (busiest rank {self.max_busy * 1e3:.2f} ms, "
@@ -319,12 +362,28 @@ def _lengths_array(lengths: Union[Sequence[int], np.ndarray]) -> np.ndarray:
     return np.ascontiguousarray(arr.astype(np.int64))
 
 
+def static_cp_degree(longest: int, capacity: int, world_size: int) -> int:
+    """The static DP x CP baseline's CP degree: the smallest power of two ``cp`` with
+    ``cp * capacity >= longest`` (C++, ``csrc/planner/static_cp.cpp``).
+
+    Raises:
+        ValueError: the degree exceeds ``world_size`` (naming the values), or a bad argument.
+    """
+    if isinstance(longest, (bool, np.bool_)) or not isinstance(longest, (int, np.integer)) or longest < 0:
+        raise ValueError(f"static_cp_degree: longest must be an integer >= 0, got {longest!r}")
+    return int(_C.planner.static_cp_degree(int(longest), _positive_int("capacity", capacity),
+                                           _positive_int("world_size", world_size)))
+
+
 def _options(world_size: int, capacity: int, strategy: str, offload: bool, cost: Any,
-             speed: Optional[Sequence[float]], memory: Optional[Sequence[float]]) -> "_C.planner.PlanOptions":
+             speed: Optional[Sequence[float]], memory: Optional[Sequence[float]],
+             static_cp: Optional[int] = None) -> "_C.planner.PlanOptions":
     o = _C.planner.PlanOptions()
     o.world_size = _positive_int("world_size", world_size)
     o.capacity = _positive_int("capacity", capacity)
     o.strategy = strategy
+    if static_cp is not None:
+        o.static_cp = _positive_int("static_cp", static_cp)
     o.offload = bool(offload)
     o.cost = cost if isinstance(cost, CostModel) else load_cost_model(cost)
     if speed is not None:
@@ -336,7 +395,7 @@ def _options(world_size: int, capacity: int, strategy: str, offload: bool, cost:
 
 def plan(
     lengths: Union[Sequence[int], np.ndarray],
-    world_size: int,
+    world_size: Union[int, UnitMap],
     capacity: int,
     strategy: str = "balanced",
     offload: bool = False,
@@ -344,6 +403,7 @@ def plan(
     speed: Optional[Sequence[float]] = None,
     memory: Optional[Sequence[float]] = None,
     verify: bool = False,
+    static_cp: Optional[int] = None,
 ) -> Plan:
     """Plan one global batch.
 
@@ -353,22 +413,28 @@ def plan(
     Args:
         lengths: sequence lengths (integers >= 1; integral floats accepted), in batch order;
             plans refer to positions.
-        world_size: HDP ranks (an integer >= 1).
-        capacity: tokens per micro-batch per rank (before ``memory`` multipliers; integer >= 1).
-        strategy: "balanced" | "naive" | "pow2".
+        world_size: HDP ranks (an integer >= 1), or a :class:`UnitMap` (HDP units of TP ranks: the
+            plan is over its units and carries it).
+        capacity: tokens per micro-batch per rank, or per unit (before ``memory`` multipliers;
+            integer >= 1).
+        strategy: "balanced" | "naive" | "pow2" | "static".
         offload: let long sequences offload activations (paper Eq. 3) to use fewer ranks.
         cost: a CostModel, a JSON profile path, a dict of coefficients, or None (defaults).
         speed: per-rank relative speeds (heterogeneous clusters).
         memory: per-rank capacity multipliers.
         verify: re-check every invariant in C++ after planning (tests, debugging).
+        static_cp: strategy "static" only: the CP degree (must divide ``world_size``; default: the
+            smallest power of two holding the batch's longest sequence at the smallest capacity).
     Raises:
         ValueError: bad input, naming the index/field and value (a length that is not an integer
             >= 1, a NaN or negative cost coefficient, world size 0, a sequence needing more ranks
-            than exist, ...).
+            than exist, a static CP degree that does not divide the world, ...).
     """
+    units = world_size if isinstance(world_size, UnitMap) else None
     arr = _lengths_array(lengths)
-    opts = _options(world_size, capacity, strategy, offload, cost, speed, memory)
-    p = Plan(_C.planner.make_plan(arr, opts), arr)
+    opts = _options(units.num_units if units else world_size, capacity, strategy, offload, cost, speed, memory,
+                    static_cp)
+    p = Plan(_C.planner.make_plan(arr, opts), arr, units)
     if verify:
         p.raw.verify(arr.tolist(), opts)
     return p

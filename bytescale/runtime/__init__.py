@@ -1,6 +1,11 @@
-"""Runtime: the HDP model wrapper, the token-level loss and selective activation offloading."""
+"""Runtime: the step executor, the HDP model wrapper, the step's types, the token-level loss,
+gradient norms of any parameter layout and selective activation offloading."""
+from .executor import StepExecutor, StepOutput, default_forward
+from .grad import clip_grad_norm_, grad_norm
 from .loss import IGNORE_INDEX, count_loss_tokens, token_level_loss
 from .offload import offload
 from .parallel import HybridDataParallel
+from .types import MicroBatch, Step
 
-__all__ = ["HybridDataParallel", "token_level_loss", "count_loss_tokens", "IGNORE_INDEX", "offload"]
+__all__ = ["HybridDataParallel", "StepExecutor", "StepOutput", "default_forward", "MicroBatch", "Step",
+           "token_level_loss", "count_loss_tokens", "IGNORE_INDEX", "offload", "clip_grad_norm_", "grad_norm"]

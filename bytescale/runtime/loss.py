@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..data.types import IGNORE_INDEX
+from .types import IGNORE_INDEX
 
 __all__ = ["IGNORE_INDEX", "token_level_loss", "count_loss_tokens"]
 

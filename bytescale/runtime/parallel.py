@@ -48,11 +48,45 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..attention.api import micro_batch_context
+from ..attention.layout import Layout
 from ..config import RuntimeConfig
-from ..data.types import MicroBatch
+from .types import MicroBatch
 from .offload import offload
 
 __all__ = ["HybridDataParallel"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (tensor-parallel parameters and gradients), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
+
+
+def _same_layout(p: nn.Parameter) -> bool:
+    """Whether ``p.grad`` is laid out like ``p`` (a tensor-parallel embedding's gradient comes back
+    replicated while its weight is sharded)."""
+    g = p.grad
+    return not hasattr(p, "placements") or g is None or tuple(g.placements) == tuple(p.placements)
+
+
+def _grad_local(p: nn.Parameter) -> torch.Tensor:
+    """``p.grad``'s values for ``p``'s local shard (taken from a differently laid out gradient)."""
+    g = p.grad
+    if not _same_layout(p):
+        g = g.redistribute(p.device_mesh, p.placements)
+    return _local(g)
+
+
+def _set_grad(p: nn.Parameter, g: torch.Tensor) -> None:
+    """``p.grad`` = ``g`` (a local tensor), wrapped like ``p`` when ``p`` is a DTensor."""
+    if p.grad is not None and _same_layout(p):
+        _local(p.grad).copy_(g)
+    elif hasattr(p, "placements"):
+        from torch.distributed.tensor import DTensor
+
+        p.grad = DTensor.from_local(g.clone(), p.device_mesh, p.placements, run_check=False,
+                                    shape=p.shape, stride=p.stride())
+    else:
+        p.grad = g.clone()
 
 
 @dataclass
@@ -109,19 +143,20 @@ class HybridDataParallel(nn.Module):
         if config.broadcast_parameters:
             with torch.no_grad():
                 for t in list(module.parameters()) + list(module.buffers()):
-                    dist.broadcast(t.data, src=self._global_src(), group=process_group)
+                    dist.broadcast(_local(t.data), src=self._global_src(), group=process_group)
         # DDP-style buckets in reverse registration order (roughly the order grads become ready).
         cap = max(1, int(config.bucket_cap_mb * 1024 * 1024))
         self._buckets: List[_Bucket] = []
         cur: List[nn.Parameter] = []
         cur_bytes = 0
         for p in reversed(params):
-            if cur and (cur_bytes + p.numel() * p.element_size() > cap or p.dtype != cur[0].dtype
+            n = _local(p).numel()
+            if cur and (cur_bytes + n * p.element_size() > cap or p.dtype != cur[0].dtype
                         or p.device != cur[0].device):
                 self._buckets.append(self._make_bucket(cur))
                 cur, cur_bytes = [], 0
             cur.append(p)
-            cur_bytes += p.numel() * p.element_size()
+            cur_bytes += n * p.element_size()
         if cur:
             self._buckets.append(self._make_bucket(cur))
         self._bucket_of = {}
@@ -141,7 +176,7 @@ class HybridDataParallel(nn.Module):
         offsets, n = [], 0
         for p in params:
             offsets.append(n)
-            n += p.numel()
+            n += _local(p).numel()
         return _Bucket(params=params, numel=n, dtype=params[0].dtype, device=params[0].device,
                        offsets=offsets)
 
@@ -161,8 +196,19 @@ class HybridDataParallel(nn.Module):
         gradients unchanged); ``offload_ratio`` (0-1) overrides it. ``last=True`` on the rank's
         final micro-batch of the step: its backward starts the gradient all-reduce, bucket by
         bucket (unless it is a ring that another member does not run last: then
-        :meth:`finish_step` starts it).
+        :meth:`finish_step` starts it). The two halves are :meth:`forward_scope` and
+        :meth:`backward_scope`, which a schedule that separates forward and backward
+        (:class:`bytescale.runtime.StepExecutor`) enters one at a time.
         """
+        with self.forward_scope(mb, offload_ratio), self.backward_scope(mb, last):
+            yield
+
+    @contextlib.contextmanager
+    def forward_scope(self, mb: MicroBatch, offload_ratio: Optional[float] = None,
+                      layout: Optional[Layout] = None) -> Iterator[None]:
+        """The forward half of :meth:`micro_batch`: the micro-batch's layout (or ``layout``) is the
+        current one and its activations are offloaded at the plan's ratio (``offload_ratio``
+        overrides it)."""
         if not isinstance(mb, MicroBatch):
             raise TypeError(f"HybridDataParallel.micro_batch: expected the loader's bytescale.data.MicroBatch, "
                             f"got {type(mb).__name__}")
@@ -171,17 +217,29 @@ class HybridDataParallel(nn.Module):
             raise ValueError(f"HybridDataParallel.micro_batch: offload_ratio must be in [0, 1], got {ratio}")
         if not self._in_step:
             self._start_step()
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(micro_batch_context(mb.layout if layout is None else layout))
+            if ratio > 0.0:
+                stack.enter_context(offload(ratio, seq_len=mb.num_tokens,
+                                            min_bytes=self.config.offload_min_bytes))
+            yield
+
+    @contextlib.contextmanager
+    def backward_scope(self, mb: MicroBatch, last: bool = False,
+                       layout: Optional[Layout] = None) -> Iterator[None]:
+        """The backward half of :meth:`micro_batch`: the micro-batch's layout is the current one
+        (recomputation under activation checkpointing runs its forward again) and, when ``last``,
+        its backward starts the gradient synchronisation (unless it is a ring that another member
+        does not run last: then :meth:`finish_step` starts it, see the module docstring)."""
+        if not self._in_step:
+            self._start_step()
         # Overlap gradient sync with this backward unless a ring member still has micro-batches
-        # after this ring (see the module docstring): then everything starts in finish_step().
+        # after this ring (one NCCL stream per rank): then everything starts in finish_step().
         self._sync = last and (not mb.plan.is_ring or mb.plan.ring_is_last_on_all)
         if self.fsdp:
             self.module.set_requires_gradient_sync(last)
         try:
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(micro_batch_context(mb.layout))
-                if ratio > 0.0:
-                    stack.enter_context(offload(ratio, seq_len=mb.num_tokens,
-                                                min_bytes=self.config.offload_min_bytes))
+            with micro_batch_context(mb.layout if layout is None else layout):
                 yield
         finally:
             self._sync = False
@@ -211,11 +269,11 @@ class HybridDataParallel(nn.Module):
     def _launch(self, b: _Bucket) -> None:
         buf = torch.empty(b.numel, dtype=b.dtype, device=b.device)
         for p, off in zip(b.params, b.offsets):
-            view = buf[off:off + p.numel()]
+            view = buf[off:off + _local(p).numel()]
             if p.grad is None:
                 view.zero_()
             else:
-                view.copy_(p.grad.reshape(-1))
+                view.copy_(_grad_local(p).reshape(-1))
         b.buffer = buf
         b.work = dist.all_reduce(buf, group=self.process_group, async_op=True)
         b.launched = True
@@ -234,10 +292,7 @@ class HybridDataParallel(nn.Module):
         for b in self._buckets:
             b.work.wait()
             for p, off in zip(b.params, b.offsets):
-                g = b.buffer[off:off + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
+                lp = _local(p)
+                _set_grad(p, b.buffer[off:off + lp.numel()].view_as(lp))
             b.buffer, b.work = None, None
         self._in_step = False

@@ -24,12 +24,12 @@ import numpy as np
 
 from .cluster import CLUSTERS, ClusterSpec, cluster
 from .engine import SimResult, micro_batch_times, simulate
-from .model import MODELS, ModelShape, cost_model, default_capacity, model_shape
+from .model import MODELS, ModelShape, check_tp, cost_model, default_capacity, model_shape, planner_cost
 from .report import table, timeline_png
 from .strategies import STRATEGIES, Schedule, build_schedule, split_at_context
 
 __all__ = ["CLUSTERS", "ClusterSpec", "cluster", "MODELS", "ModelShape", "model_shape", "cost_model",
-           "default_capacity", "STRATEGIES", "Schedule", "build_schedule", "split_at_context", "SimResult",
+           "default_capacity", "planner_cost", "STRATEGIES", "Schedule", "build_schedule", "split_at_context", "SimResult",
            "simulate", "micro_batch_times", "simulate_batch", "table", "timeline_png"]
 
 
@@ -39,18 +39,22 @@ def simulate_batch(lengths: Union[Sequence[int], np.ndarray], model: Union[str, 
                    cluster_spec: Union[str, ClusterSpec] = "h100-nvlink-ib400",
                    capacity: Optional[int] = None, efficiency: float = 0.4,
                    profile: Optional[str] = None, cost: Any = None,
-                   grad_bytes: Optional[float] = None) -> List[SimResult]:
+                   grad_bytes: Optional[float] = None, tp: int = 1) -> List[SimResult]:
     """Simulates one step of the global batch ``lengths`` under each of ``strategies``.
 
     ``cluster_spec``: a preset name (resized to ``gpus``/``gpus_per_node``) or a ClusterSpec used as
-    is. ``capacity``: tokens per micro-batch per device (default: what fits, see
-    :func:`default_capacity`). ``cost``: a ready CostModel (else derived from the model and cluster,
-    or read from ``profile``). Raises ValueError on bad input, naming it.
+    is. ``tp``: tensor parallelism, the GPUs of one HDP unit (inside a node; the planner plans
+    ``gpus / tp`` units). ``capacity``: tokens per micro-batch per unit (default: what fits, see
+    :func:`default_capacity`). ``cost``: a ready CostModel of one unit's compute (else derived from
+    the model and cluster, or read from ``profile``); the planner plans with it plus the TP
+    collectives (:func:`planner_cost`). Raises ValueError on bad input, naming it.
     """
     shape = model_shape(model) if isinstance(model, str) else model
     cl = cluster(cluster_spec, gpus, gpus_per_node) if isinstance(cluster_spec, str) else cluster_spec
-    cm = cost if cost is not None else cost_model(shape, cl, efficiency, profile)
-    cap = capacity if capacity is not None else default_capacity(shape, cl, cm)
+    check_tp(shape, cl, tp)
+    cm = cost if cost is not None else cost_model(shape, cl, efficiency, profile, tp)
+    pcm = planner_cost(cm, shape, cl, tp)
+    cap = capacity if capacity is not None else default_capacity(shape, cl, cm, tp)
     lens = np.asarray(lengths, dtype=np.int64)
     if lens.size == 0:
         raise ValueError("the global batch is empty")
@@ -62,8 +66,8 @@ def simulate_batch(lengths: Union[Sequence[int], np.ndarray], model: Union[str, 
     plans: Dict[Any, Any] = {}
     out = []
     for name in strategies:
-        sched = build_schedule(name, lens, cl.gpus, cap, cm, plans)
-        res = simulate(sched, cl, shape, cm, tokens, sum_sq, grad_bytes)
+        sched = build_schedule(name, lens, cl.gpus // tp, cap, pcm, plans)
+        res = simulate(sched, cl, shape, cm, tokens, sum_sq, grad_bytes, tp=tp)
         res.info["capacity"] = cap
         out.append(res)
     return out

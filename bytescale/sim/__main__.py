@@ -1,12 +1,16 @@
 """``python -m bytescale.sim``: simulate one training step per strategy and print a table.
 
     python -m bytescale.sim --corpus byted --model llama-7b --gpus 1024 --gpus-per-node 8 \\
-        --context 2M --strategy all --json sim.json --png sim.png
+        --context 2M --strategy all --json sim.json --png sim.png [--tp 4]
 
 Lengths come from a synthetic corpus (``--corpus byted|github``: one global batch of
-``--global-batch-tokens`` tokens, seeded) or a file (``--lengths FILE``: integers, one or more per
-line, ``#`` comments). Documents longer than ``--context`` are cut into pieces of at most that many
-tokens. The JSON holds, per strategy, ``step_time_s``, ``tokens_per_s``, ``mfu`` and the breakdown.
+``--global-batch-tokens`` tokens, seeded), a file (``--lengths FILE``: integers, one or more per
+line, ``#`` comments) or a token store (``--lengths DIR``, what ``bytescale.data.prepare`` writes:
+every document's length, the whole corpus as one global batch). Documents longer than
+``--context`` are cut into pieces of at most that many tokens. ``--tp T`` makes an HDP unit of T
+GPUs of one node (tensor parallelism inside it; every strategy, the static DP x CP baseline
+included, plans the ``gpus / T`` units). The JSON holds, per strategy, ``step_time_s``,
+``tokens_per_s``, ``mfu`` and the breakdown.
 """
 from __future__ import annotations
 
@@ -36,7 +40,23 @@ def parse_tokens(text: str, what: str = "context") -> int:
 
 
 def read_lengths(path: str) -> np.ndarray:
-    """Integers >= 1 from ``path`` (whitespace separated, ``#`` starts a comment)."""
+    """Integers >= 1 from ``path`` (whitespace separated, ``#`` starts a comment), or, for a token
+    store (a directory or a Megatron ``.idx``/``.bin`` prefix), its documents' lengths (empty
+    documents left out)."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir() or p.suffix == ".idx" or Path(path + ".idx").exists():
+        from ..data.token_store import TokenStore
+
+        try:
+            lens = TokenStore(path).lengths
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--lengths {path}: {e}") from None
+        lens = lens[lens > 0]
+        if not lens.size:
+            raise ValueError(f"--lengths {path}: the token store holds no tokens")
+        return np.asarray(lens, dtype=np.int64)
     try:
         with open(path) as f:
             lines = f.readlines()
@@ -58,16 +78,21 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--corpus", help="synthetic corpus: byted or github")
-    src.add_argument("--lengths", help="file of sequence lengths (one global batch)")
+    src.add_argument("--lengths", help="file of sequence lengths (one global batch), or a token store "
+                     "directory (its documents' lengths)")
     p.add_argument("--model", default="llama-7b", help="llama-7b, llama-13b, llama-30b, llama-70b, "
-                   "mistral-8x7b, a bytescale preset (tiny, ...) or an HF config.json path")
+                   "mistral-8x7b, mistral-8x22b (the paper's Table 1 shapes), a bytescale preset (tiny, "
+                   "...) or an HF config.json path")
     p.add_argument("--gpus", type=int, default=1024)
     p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--tp", type=int, default=1, help="tensor parallelism: GPUs per HDP unit, inside a node "
+                   "(must divide --gpus-per-node and the model's heads)")
     p.add_argument("--context", default="2M", help="longest sequence; longer documents are split (2M, 256K, ...)")
     p.add_argument("--strategy", default="all", help=f"{', '.join(STRATEGIES)} or all (comma-separated list allowed)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--png", help="per-rank timeline PNG")
-    p.add_argument("--capacity", default=None, help="tokens per micro-batch per device (default: what fits in memory)")
+    p.add_argument("--capacity", default=None, help="tokens per micro-batch per HDP unit (one GPU, or --tp "
+                   "GPUs; default: what fits in memory)")
     p.add_argument("--global-batch-tokens", default="32M", help="tokens per global batch (synthetic corpora)")
     p.add_argument("--cluster", default="h100-nvlink-ib400", help="cluster preset")
     p.add_argument("--profile", default=None, help="cost profile JSON from bytescale.profile ('default': the "
@@ -114,17 +139,18 @@ def _run(args: argparse.Namespace) -> int:
     cap = parse_tokens(args.capacity, "capacity") if args.capacity is not None else None
     t0 = time.perf_counter()
     results = simulate_batch(lengths, args.model, args.gpus, args.gpus_per_node, names, args.cluster,
-                             cap, args.efficiency, args.profile)
+                             cap, args.efficiency, args.profile, tp=args.tp)
     took = time.perf_counter() - t0
     cap = results[0].info["capacity"]
+    units = (f", TP {args.tp}: {args.gpus // args.tp} HDP units of {args.tp} GPUs" if args.tp > 1 else "")
     head = (f"{source}: {len(lengths)} sequences, {int(lengths.sum()):,} tokens, longest {int(lengths.max()):,}; "
-            f"model {args.model}, {args.gpus} GPUs ({args.gpus_per_node}/node, {args.cluster}), "
-            f"capacity {cap} tokens/GPU; simulated in {took:.2f} s")
+            f"model {args.model}, {args.gpus} GPUs ({args.gpus_per_node}/node, {args.cluster}){units}, "
+            f"capacity {cap} tokens/{'unit' if args.tp > 1 else 'GPU'}; simulated in {took:.2f} s")
     print(head)
     print(table(results))
     if args.json:
         doc = {"config": {"source": source, "model": args.model, "gpus": args.gpus,
-                          "gpus_per_node": args.gpus_per_node, "context": context, "capacity": cap,
+                          "gpus_per_node": args.gpus_per_node, "tp": args.tp, "context": context, "capacity": cap,
                           "cluster": args.cluster, "profile": args.profile, "efficiency": args.efficiency,
                           "sequences": int(len(lengths)), "tokens": int(lengths.sum()), "seed": args.seed,
                           "simulation_s": took},

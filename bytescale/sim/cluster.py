@@ -18,7 +18,7 @@ result, see ``source``):
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Dict
+from typing import Dict, Optional
 
 __all__ = ["ClusterSpec", "CLUSTERS", "cluster"]
 
@@ -94,13 +94,15 @@ class ClusterSpec:
         """(bandwidth, latency) of a ring hop, inside a node or between nodes."""
         return (self.inter_bw, self.inter_latency) if crosses_nodes else (self.intra_bw, self.intra_latency)
 
-    def allreduce_time(self, nbytes: float, ranks: int) -> float:
+    def allreduce_time(self, nbytes: float, ranks: int, ranks_per_node: Optional[int] = None) -> float:
         """Ring all-reduce (= reduce-scatter + all-gather) of ``nbytes`` over ``ranks`` devices:
         2(n-1)/n of the data crosses the slowest link (inter-node when the ranks span nodes), plus
-        2(n-1) hop latencies (NCCL's ring algorithm; tree/NVLS variants are not modelled)."""
+        2(n-1) hop latencies (NCCL's ring algorithm; tree/NVLS variants are not modelled).
+        ``ranks_per_node``: how many of the ranks share a node (default ``gpus_per_node``; with
+        tensor parallelism, the HDP units per node: the all-reduce runs among one GPU per unit)."""
         if ranks <= 1:
             return 0.0
-        crosses = ranks > self.gpus_per_node
+        crosses = ranks > (self.gpus_per_node if ranks_per_node is None else ranks_per_node)
         bw, lat = self.link(crosses)
         return 2.0 * (ranks - 1) / ranks * nbytes / bw + 2.0 * (ranks - 1) * lat
 

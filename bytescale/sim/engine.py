@@ -16,30 +16,36 @@ model, :mod:`bytescale.sim.model`):
   d + ring_call_s``, :class:`ClusterSpec`), their compute is that instead;
 * offloading (ratio r, chosen by the planner with Eq. 3): ``r x Act(tokens)`` bytes go to the host
   during the forward (hidden under the forward, a third of the compute) and come back during the
-  backward (hidden under the other two thirds); what does not fit is exposed.
+  backward (hidden under the other two thirds); what does not fit is exposed;
+* tensor parallelism (``tp`` > 1; :mod:`bytescale.sim.model`): a schedule's rank is an HDP unit of
+  ``tp`` GPUs of one node, every GPU of a unit running the unit's micro-batches in lockstep (so a
+  unit's times are one GPU's); the cost model is one GPU's share, the TP collectives
+  (``tp_comm``: per token and per micro-batch, :func:`~bytescale.sim.model.tp_comm_time`) are
+  exposed; a ring of d units is ``tp`` rings in parallel, one per TP index, each GPU moving its
+  local K/V heads over its own link (NVLink when the units share a node).
 
 The micro-batch durations go to the C++ replay (``bytescale._C.planner.replay_schedule``): every
 rank runs its micro-batches in order, a ring micro-batch starts when all its members are free, and
 the waiting is idle time (so is a ring member's wait for the ring's slowest member: zig-zag
 shards can differ by a token). After the last micro-batch: the gradient synchronisation (a ring
-all-reduce of bf16 gradients over all ranks, not overlapped with compute: conservative, the same
-for every strategy). Before the first: the data-loading stall (``Schedule.loader``): ``global``
+all-reduce of bf16 gradients over all ranks, each GPU its TP shard over the units, not overlapped
+with compute: conservative, the same for every strategy). Before the first: the data-loading stall (``Schedule.loader``): ``global``
 costs ``global batch tokens x 4 bytes / loader_bw`` (every node reads the whole batch to learn its
 lengths before the plan exists), ``local`` and ``remote`` are prefetched under the previous step.
 
-Per rank, ``compute + exposed_comm + offload + idle + grad_sync + data_stall + step_overhead ==
-step_time`` (``step_overhead``: a stated fixed per-step cost such as the optimizer step, 0 unless
+Per rank, ``compute + exposed_comm + tp_comm + offload + idle + grad_sync + data_stall +
+step_overhead == step_time`` (``step_overhead``: a stated fixed per-step cost such as the optimizer step, 0 unless
 given).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
 from .cluster import ClusterSpec
-from .model import ModelShape
+from .model import ModelShape, check_tp, gpu_params, tp_comm_time
 from .strategies import Schedule
 
 __all__ = ["SimResult", "simulate", "micro_batch_times", "BYTES_PER_TOKEN_READ"]
@@ -49,8 +55,9 @@ BYTES_PER_TOKEN_READ = 4.0  # int32 token ids (bytescale's token store)
 
 @dataclass(frozen=True, eq=False)
 class SimResult:
-    """One strategy's simulated step. Arrays are per rank (``compute`` ... ``idle``, ``finish``)
-    or per micro-batch (``mb_start``, ``mb_end``, ``mb_comm``, ``mb_compute``, ``mb_offload``)."""
+    """One strategy's simulated step. Arrays are per rank, an HDP unit of ``tp`` GPUs (``compute``
+    ... ``idle``, ``tp_comm``) or per micro-batch (``mb_start``, ``mb_end``, ``mb_comm``,
+    ``mb_compute``, ``mb_offload``, ``mb_tp_comm``)."""
 
     strategy: str
     step_time_s: float
@@ -70,16 +77,25 @@ class SimResult:
     mb_comm: np.ndarray
     mb_offload: np.ndarray
     schedule: Schedule
+    tp_comm: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    mb_tp_comm: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    tp: int = 1
     info: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def world(self) -> int:
+        """HDP ranks (units of ``tp`` GPUs)."""
         return self.schedule.world
+
+    @property
+    def gpus(self) -> int:
+        return self.schedule.world * self.tp
 
     def breakdown(self) -> Dict[str, float]:
         """Seconds per step, averaged over ranks (they sum to ``step_time_s``)."""
+        tpc = float(self.tp_comm.mean()) if self.tp_comm.size else 0.0
         return {"compute_s": float(self.compute.mean()), "exposed_comm_s": float(self.exposed_comm.mean()),
-                "offload_s": float(self.offload.mean()), "idle_s": float(self.idle.mean()),
+                "tp_comm_s": tpc, "offload_s": float(self.offload.mean()), "idle_s": float(self.idle.mean()),
                 "grad_sync_s": self.grad_sync_s, "data_stall_s": self.data_stall_s,
                 "step_overhead_s": self.step_overhead_s}
 
@@ -90,9 +106,14 @@ class SimResult:
                 "tokens": self.tokens, "breakdown": b,
                 "breakdown_share": {k: v / self.step_time_s if self.step_time_s > 0 else 0.0 for k, v in b.items()},
                 "per_rank": {"compute_s": _stats(self.compute), "exposed_comm_s": _stats(self.exposed_comm),
-                             "offload_s": _stats(self.offload), "idle_s": _stats(self.idle)},
+                             "tp_comm_s": _stats(self.tp_comm), "offload_s": _stats(self.offload),
+                             "idle_s": _stats(self.idle)},
+                "tp": self.tp, "gpus": self.gpus,
                 "micro_batches": self.schedule.num_micro_batches,
                 "micro_batches_per_rank_max": int(np.diff(self.schedule.rank_mb).max()) if self.world else 0,
+                # the layout: sequences (and tokens) in local micro-batches, i.e. not sharded
+                "local_sequences": int(self.schedule.mb_docs[self.schedule.mb_ring < 0].sum()),
+                "local_tokens": float(self.schedule.mb_tokens[self.schedule.mb_ring < 0].sum()),
                 **{k: (None if isinstance(v, float) and v != v else v) for k, v in self.info.items()}}
 
 
@@ -100,8 +121,11 @@ def _stats(x: np.ndarray) -> Dict[str, float]:
     return {"min": float(x.min()), "mean": float(x.mean()), "max": float(x.max())} if x.size else {}
 
 
-def micro_batch_times(s: Schedule, cl: ClusterSpec, cost: Any) -> Dict[str, np.ndarray]:
-    """Per micro-batch ``compute``, exposed ``comm`` and exposed ``offload`` seconds (module doc)."""
+def micro_batch_times(s: Schedule, cl: ClusterSpec, cost: Any, tp: int = 1,
+                      tp_comm: Tuple[float, float] = (0.0, 0.0)) -> Dict[str, np.ndarray]:
+    """Per micro-batch ``compute``, exposed ``comm``, exposed ``offload`` and ``tp_comm`` seconds
+    (module doc). ``tp``: GPUs per rank (unit); ``tp_comm``: the TP collectives' (seconds per token,
+    seconds per micro-batch) per layer."""
     L = float(cost.layers)
     attn = cost.a1 * s.mb_attn
     layer = attn + cost.b1 * s.mb_tokens + cost.g * (s.mb_tokens > 0)
@@ -113,9 +137,10 @@ def micro_batch_times(s: Schedule, cl: ClusterSpec, cost: Any) -> Dict[str, np.n
         layer[ring] = (cl.ring_a1 * s.mb_attn[ring] + cl.ring_b1 * s.mb_tokens[ring]
                        + (cl.ring_step_s + cl.ring_doc_step_s * s.mb_docs[ring]) * d + cl.ring_call_s)
     compute = L * layer
+    tpc = L * (tp_comm[0] * s.mb_tokens + tp_comm[1] * (s.mb_tokens > 0))
     comm = np.zeros_like(compute)
     if ring.any():
-        crosses = s.ring_crosses_nodes(cl.gpus_per_node)[s.mb_ring[ring]]
+        crosses = s.ring_crosses_nodes(max(1, cl.gpus_per_node // tp))[s.mb_ring[ring]]
         bw = np.where(crosses, cl.inter_bw, cl.intra_bw)
         lat = np.where(crosses, cl.inter_latency, cl.intra_latency)
         d = s.mb_ring_size[ring].astype(np.float64)
@@ -126,8 +151,9 @@ def micro_batch_times(s: Schedule, cl: ClusterSpec, cost: Any) -> Dict[str, np.n
     if has.any():
         act = cost.a2 * s.mb_tokens[has] + cost.b2
         copy = s.mb_offload[has] * act / cl.host_bw
-        off[has] = L * (np.maximum(0.0, copy - layer[has] / 3.0) + np.maximum(0.0, copy - 2.0 * layer[has] / 3.0))
-    return {"compute": compute, "comm": comm, "offload": off}
+        busy = layer[has] + tpc[has] / L  # copies run beside the compute and the TP collectives
+        off[has] = L * (np.maximum(0.0, copy - busy / 3.0) + np.maximum(0.0, copy - 2.0 * busy / 3.0))
+    return {"compute": compute, "comm": comm, "offload": off, "tp_comm": tpc}
 
 
 def _per_rank(s: Schedule, x: np.ndarray) -> np.ndarray:
@@ -135,23 +161,27 @@ def _per_rank(s: Schedule, x: np.ndarray) -> np.ndarray:
 
 
 def simulate(s: Schedule, cl: ClusterSpec, shape: ModelShape, cost: Any, tokens: int,
-             sum_sq: float, grad_bytes: Optional[float] = None, step_overhead_s: float = 0.0) -> SimResult:
+             sum_sq: float, grad_bytes: Optional[float] = None, step_overhead_s: float = 0.0,
+             tp: int = 1) -> SimResult:
     """Simulates one step of schedule ``s`` (module docstring). ``tokens``/``sum_sq``: the global
     batch's tokens and sum of squared document lengths (for tokens/s and MFU); ``grad_bytes``:
-    bytes all-reduced per step (default: bf16 gradients of every parameter); ``step_overhead_s``:
-    a fixed per-step cost outside the micro-batches (the optimizer step, gradient clipping; 0 by
-    default: negligible next to a large model's step, measured by ``benchmarks/validate_sim.py``
-    for its CPU runs)."""
+    bytes each GPU all-reduces per step (default: bf16 gradients of its parameters, its TP shard);
+    ``step_overhead_s``: a fixed per-step cost outside the micro-batches (the optimizer step,
+    gradient clipping; 0 by default: negligible next to a large model's step, measured by
+    ``benchmarks/validate_sim.py`` for its CPU runs); ``tp``: GPUs per HDP unit (a rank of ``s``),
+    ``cost`` being one unit's compute (:func:`~bytescale.sim.model.cost_model` with the same tp)."""
     from .. import _C
 
-    if s.world > cl.gpus:
-        raise ValueError(f"schedule for {s.world} ranks on a cluster of {cl.gpus} devices")
-    t = micro_batch_times(s, cl, cost)
-    dur = t["compute"] + t["comm"] + t["offload"]
+    check_tp(shape, cl, tp)
+    if s.world * tp > cl.gpus:
+        raise ValueError(f"schedule for {s.world} ranks" + (f" of {tp} GPUs" if tp > 1 else "")
+                         + f" on a cluster of {cl.gpus} devices")
+    t = micro_batch_times(s, cl, cost, tp, tp_comm_time(shape, cl, tp))
+    dur = t["compute"] + t["comm"] + t["tp_comm"] + t["offload"]
     rep = _C.planner.replay_schedule(s.world, s.rank_mb, s.mb_ring, s.ring_grp, s.grp_ranks,
                                      np.ascontiguousarray(dur))
-    grad_bytes = 2.0 * shape.params if grad_bytes is None else grad_bytes
-    sync = cl.allreduce_time(grad_bytes, s.world)
+    grad_bytes = 2.0 * gpu_params(shape, tp) if grad_bytes is None else grad_bytes
+    sync = cl.allreduce_time(grad_bytes, s.world, max(1, cl.gpus_per_node // tp))
     stall = 0.0
     if s.loader == "global":
         stall = tokens * BYTES_PER_TOKEN_READ / cl.loader_bw
@@ -160,16 +190,18 @@ def simulate(s: Schedule, cl: ClusterSpec, shape: ModelShape, cost: Any, tokens:
     step = float(rep.step_time) + sync + stall + step_overhead_s
     flops = shape.flops(tokens, sum_sq)
     comp, comm, off = _per_rank(s, t["compute"]), _per_rank(s, t["comm"]), _per_rank(s, t["offload"])
+    tpc = _per_rank(s, t["tp_comm"])
     # idle = waiting for ring partners (including a ring's faster members waiting for its slowest
     # one, which the replay counts as busy) + the tail after the rank's last micro-batch
-    idle = float(rep.step_time) - (comp + comm + off)
+    idle = float(rep.step_time) - (comp + comm + tpc + off)
     return SimResult(
         strategy=s.strategy, step_time_s=step, tokens=int(tokens),
         tokens_per_s=tokens / step if step > 0 else float("inf"),
-        mfu=flops / (step * s.world * cl.peak_flops) if step > 0 else 0.0,
+        mfu=flops / (step * s.world * tp * cl.peak_flops) if step > 0 else 0.0,
         compute=comp, exposed_comm=comm, offload=off, idle=idle, grad_sync_s=sync, data_stall_s=stall,
         step_overhead_s=float(step_overhead_s),
         mb_start=np.asarray(rep.mb_start) + stall, mb_end=np.asarray(rep.mb_end) + stall,
         mb_compute=t["compute"], mb_comm=t["comm"], mb_offload=t["offload"], schedule=s,
+        tp_comm=tpc, mb_tp_comm=t["tp_comm"], tp=tp,
         info={"planner_predicted_step_s": s.planner_step, "replay_step_s": float(rep.step_time),
               **s.info})

@@ -14,24 +14,45 @@ A :class:`ModelShape` is what a transformer's cost depends on: layers, hidden si
   term removed by flash attention);
 * K/V bytes per token: ``2 x kv_heads x head_dim x 2`` (bf16).
 
+Tensor parallelism (``tp`` = T > 1, Megatron-style with sequence parallelism): an HDP unit is T GPUs
+of one node and the planner plans units. Each GPU runs the unit's micro-batch on its local heads
+(``heads / T`` query heads; ``kv_heads / T`` K/V heads, or one replicated K/V head when T exceeds
+them) and a 1/T slice of the MLP, the output projection and the LM head (the K/V projections of a
+replicated head are computed on every GPU that holds it). Per GPU and layer:
+
+* ``a1 / T`` and ``b1`` from the GPU's own matmul parameters (:func:`gpu_layer_params`);
+* TP collectives (:func:`tp_comm_time`): all-gather and reduce-scatter of the layer's input around
+  attention and MLP, forward and backward: 8 collectives of ``tokens x hidden x 2`` bytes, each
+  moving ``(T-1)/T`` of them over NVLink plus ``T-1`` latencies; NOT overlapped with compute
+  (conservative, as the gradient sync);
+* activations ``34 x hidden / T`` bytes per token (sequence parallelism shards the whole layer's
+  activations, Korthikanti et al.) plus the replicated K/V heads' extra; K/V ring traffic of its
+  local K/V heads only (a ring of d units runs once per TP index, the T rings in parallel on the
+  GPUs' own links).
+
 ``efficiency`` (default 0.4, i.e. ~400 TFLOP/s attained on an H100, the figure the planner's
 default cost model assumes) is a stated assumption, the same for every strategy. A measured profile
 (``bytescale.profile`` JSON) replaces a1, b1, g, a2, b2 and layers: :func:`cost_model`.
 
-Presets: llama-7b, llama-13b, llama-30b, llama-70b, mistral-8x7b (published configs), bytescale's
-own Llama presets (``tiny`` ... as ``bytescale.models.presets``), or any HF ``config.json`` path.
+Presets: the ByteScale paper's Table 1 shapes (every model with 8 K/V groups, GQA): llama-7b
+(32 layers, 32 heads, hidden 4096), llama-13b (40/40/5120), llama-30b (60/56/6656), llama-70b
+(80/64/8192), mistral-8x7b (32/32/4096, 8 experts, top 2), mistral-8x22b (56/48/6144, top 2); FFN
+sizes and vocabularies of the published configs; head size 128 throughout (llama-30b's 6656 /
+56 is not an integer: its query width is 56 x 128 = 7168). Also bytescale's own Llama presets
+(``tiny`` ... as ``bytescale.models.presets``), or any HF ``config.json`` path.
 """
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from .cluster import ClusterSpec
 
 __all__ = ["ModelShape", "MODELS", "model_shape", "cost_model", "default_capacity", "DEFAULT_EFFICIENCY",
-           "LAYER_OVERHEAD_S"]
+           "LAYER_OVERHEAD_S", "check_tp", "local_heads", "gpu_layer_params", "gpu_params", "act_bytes_per_token",
+           "tp_comm_time", "planner_cost"]
 
 DEFAULT_EFFICIENCY = 0.4
 LAYER_OVERHEAD_S = 1e-4
@@ -99,13 +120,100 @@ class ModelShape:
         return 6.0 * self.matmul_params_per_token * tokens + 6.0 * self.layers * self.heads * self.head_dim * sum_sq
 
 
-MODELS: Dict[str, ModelShape] = {
-    "llama-7b": ModelShape("llama-7b", 32, 4096, 32, 32, 128, 11008, 32000),
-    "llama-13b": ModelShape("llama-13b", 40, 5120, 40, 40, 128, 13824, 32000),
-    "llama-30b": ModelShape("llama-30b", 60, 6656, 52, 52, 128, 17920, 32000),
+MODELS: Dict[str, ModelShape] = {  # the paper's Table 1 (module docstring)
+    "llama-7b": ModelShape("llama-7b", 32, 4096, 32, 8, 128, 11008, 32000),
+    "llama-13b": ModelShape("llama-13b", 40, 5120, 40, 8, 128, 13824, 32000),
+    "llama-30b": ModelShape("llama-30b", 60, 6656, 56, 8, 128, 17920, 32000),
     "llama-70b": ModelShape("llama-70b", 80, 8192, 64, 8, 128, 28672, 32000),
     "mistral-8x7b": ModelShape("mistral-8x7b", 32, 4096, 32, 8, 128, 14336, 32000, experts=8, top_k=2),
+    "mistral-8x22b": ModelShape("mistral-8x22b", 56, 6144, 48, 8, 128, 16384, 32000, experts=8, top_k=2),
 }
+
+
+# ---- tensor parallelism (module docstring) -----------------------------------------------------
+
+def check_tp(shape: ModelShape, cl: ClusterSpec, tp: int) -> None:
+    """Raises ValueError naming the values when ``tp`` GPUs cannot form an HDP unit of ``shape`` on
+    ``cl``: tp < 1, a unit that does not fit or divide a node, a cluster that is not whole units,
+    query heads not divisible by tp, K/V heads that tp neither divides nor is a multiple of."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be an integer >= 1, got {tp!r}")
+    if tp == 1:
+        return
+    if cl.gpus_per_node % tp:
+        raise ValueError(f"tp {tp} does not divide gpus_per_node {cl.gpus_per_node} (a TP group must sit "
+                         "inside one node, on NVLink)")
+    if cl.gpus % tp:
+        raise ValueError(f"tp {tp} does not divide the cluster's {cl.gpus} GPUs")
+    if shape.heads % tp:
+        raise ValueError(f"model {shape.name}: tp {tp} does not divide its {shape.heads} attention heads")
+    if shape.kv_heads % tp and tp % shape.kv_heads:
+        raise ValueError(f"model {shape.name}: tp {tp} neither divides its {shape.kv_heads} K/V heads nor is a "
+                         "multiple of them (K/V heads are split, or replicated when tp exceeds them)")
+
+
+def local_heads(shape: ModelShape, tp: int) -> Tuple[int, int]:
+    """(query heads, K/V heads) on one GPU of a TP group of ``tp`` (K/V replicated past kv_heads)."""
+    return shape.heads // tp, max(1, shape.kv_heads // tp)
+
+
+def gpu_layer_params(shape: ModelShape, tp: int = 1) -> float:
+    """Matmul parameters one token multiplies with in one layer on ONE GPU of a TP group (the
+    ``active_layer_params`` at tp = 1): Q and output projections and the MLP split ``tp`` ways,
+    the K/V projections of the GPU's local (possibly replicated) K/V heads."""
+    if tp == 1:
+        return float(shape.active_layer_params)
+    _, kv = local_heads(shape, tp)
+    mlp = 3 * shape.hidden * shape.ffn * (shape.top_k if shape.experts else 1)
+    return (2 * shape.hidden * shape.heads * shape.head_dim + mlp) / tp + 2 * shape.hidden * kv * shape.head_dim
+
+
+def gpu_params(shape: ModelShape, tp: int = 1) -> float:
+    """Parameters stored on one GPU of a TP group (``params`` at tp = 1): every matrix split
+    ``tp`` ways (embeddings and LM head vocab-parallel), replicated K/V heads' projections whole,
+    norms replicated."""
+    if tp == 1:
+        return float(shape.params)
+    _, kv = local_heads(shape, tp)
+    q_o = 2 * shape.hidden * shape.heads * shape.head_dim
+    kv_proj = 2 * shape.hidden * kv * shape.head_dim
+    mlp = 3 * shape.hidden * shape.ffn * max(1, shape.experts) + shape.hidden * shape.experts
+    emb = shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2)
+    return shape.layers * ((q_o + mlp) / tp + kv_proj + 2 * shape.hidden) + emb / tp + shape.hidden
+
+
+def act_bytes_per_token(shape: ModelShape, tp: int = 1) -> float:
+    """Activation bytes one GPU keeps per token of its unit's micro-batch per layer:
+    ``34 x hidden / tp`` (sequence parallelism) plus the K/V of replicated K/V heads (bf16)."""
+    if tp == 1:
+        return ACT_BYTES_PER_HIDDEN * shape.hidden
+    _, kv = local_heads(shape, tp)
+    return ACT_BYTES_PER_HIDDEN * shape.hidden / tp + 4.0 * shape.head_dim * (kv - shape.kv_heads / tp)
+
+
+def tp_comm_time(shape: ModelShape, cl: ClusterSpec, tp: int) -> Tuple[float, float]:
+    """TP collectives of one layer, forward and backward, on one GPU: (seconds per token, seconds
+    per micro-batch). 8 all-gathers / reduce-scatters of ``hidden x 2`` bytes per token over
+    NVLink, each moving (tp-1)/tp of the data plus tp-1 hop latencies; (0, 0) at tp = 1."""
+    if tp == 1:
+        return 0.0, 0.0
+    per_token = 8.0 * (tp - 1) / tp * shape.hidden * 2.0 / cl.intra_bw
+    return per_token, 8.0 * (tp - 1) * cl.intra_latency
+
+
+def planner_cost(cm: Any, shape: ModelShape, cl: ClusterSpec, tp: int) -> Any:
+    """The cost model the PLANNER plans units with: ``cm`` (one unit's compute) plus the TP
+    collectives (:func:`tp_comm_time`) folded into b1 and g; ``cm`` itself at tp = 1."""
+    if tp == 1:
+        return cm
+    from ..planner import CostModel
+
+    per_token, per_call = tp_comm_time(shape, cl, tp)
+    out = CostModel.from_json(cm.to_json())
+    out.b1 = cm.b1 + per_token
+    out.g = cm.g + per_call
+    out.validate()
+    return out
 
 
 def _from_hf(path: str) -> ModelShape:
@@ -162,19 +270,27 @@ def model_shape(name: str) -> ModelShape:
 
 
 def cost_model(shape: ModelShape, cl: ClusterSpec, efficiency: float = DEFAULT_EFFICIENCY,
-               profile: Optional[str] = None) -> Any:
-    """The planner's :class:`bytescale.planner.CostModel` for ``shape`` on ``cl``.
+               profile: Optional[str] = None, tp: int = 1) -> Any:
+    """The :class:`bytescale.planner.CostModel` of one HDP unit's compute for ``shape`` on ``cl``
+    (one GPU at ``tp`` = 1; per GPU of a TP group of ``tp`` otherwise: its local heads and slices,
+    its activation bytes and K/V ring traffic; the TP collectives are priced apart, see
+    :func:`planner_cost`).
 
     Without ``profile``: derived from FLOPs at ``efficiency`` (module docstring). With ``profile``
     (a JSON written by ``bytescale.profile``, or ``"default"`` for the planner's built-in
-    LLaMA-7B/H100 model): its a1, b1, g, a2, b2, layers and host bandwidths. Either way the ring
-    bandwidth/latency the PLANNER assumes is the cluster's slowest ring link (inter-node when the
-    cluster has more than one node); the simulator itself prices each ring by its own link.
+    LLaMA-7B/H100 model): its a1, b1, g, a2, b2, layers and host bandwidths (one device, so tp = 1
+    only). Either way the ring bandwidth/latency the PLANNER assumes is the cluster's slowest ring
+    link (inter-node when the cluster has more than one node); the simulator itself prices each
+    ring by its own link.
     """
     from ..planner import CostModel, load_cost_model
 
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
+    check_tp(shape, cl, tp)
+    if profile is not None and tp > 1:
+        raise ValueError(f"a cost profile ({profile!r}) measures one device without tensor parallelism; "
+                         f"tp {tp} needs the FLOP-derived cost model (leave out the profile)")
     if profile is not None:
         if profile == "default":
             cm = CostModel()
@@ -185,10 +301,10 @@ def cost_model(shape: ModelShape, cl: ClusterSpec, efficiency: float = DEFAULT_E
     else:
         rate = cl.peak_flops * efficiency / cl.compute_slowdown
         cm = CostModel()
-        cm.a1 = 6.0 * shape.heads * shape.head_dim / rate
-        cm.b1 = 6.0 * (shape.active_layer_params + shape.vocab * shape.hidden / shape.layers) / rate
+        cm.a1 = 6.0 * shape.heads * shape.head_dim / rate / tp
+        cm.b1 = 6.0 * (gpu_layer_params(shape, tp) + shape.vocab * shape.hidden / shape.layers / tp) / rate
         cm.g = LAYER_OVERHEAD_S
-        cm.a2 = ACT_BYTES_PER_HIDDEN * shape.hidden
+        cm.a2 = act_bytes_per_token(shape, tp)
         cm.b2 = 0.0
         cm.layers = shape.layers
         cm.bw_d2h = cm.bw_h2d = cl.host_bw
@@ -196,25 +312,31 @@ def cost_model(shape: ModelShape, cl: ClusterSpec, efficiency: float = DEFAULT_E
     cm.ring_bw = bw
     cm.ring_latency = lat
     if profile is None or profile != "default":
-        cm.kv_bytes_per_token = shape.kv_bytes_per_token
+        cm.kv_bytes_per_token = (shape.kv_bytes_per_token if tp == 1
+                                 else 2.0 * local_heads(shape, tp)[1] * shape.head_dim * 2.0)
     cm.validate()
     return cm
 
 
-def default_capacity(shape: ModelShape, cl: ClusterSpec, cm: Any) -> int:
-    """Tokens per micro-batch per device that fit in memory, rounded down to a power of two.
+def default_capacity(shape: ModelShape, cl: ClusterSpec, cm: Any, tp: int = 1) -> int:
+    """Tokens per micro-batch per HDP unit (one device at ``tp`` = 1, else ``tp`` devices holding a
+    1/tp share of its activations, ``cm.a2`` being per device) that fit in memory, rounded down to
+    a power of two.
 
-    Model states: bf16 weights and gradients replicated, fp32 master weights and Adam moments
-    (12 bytes/param) sharded over all devices (ZeRO-1); if the replicated part exceeds 40% of the
-    device, everything is sharded (FSDP) and two layers' weights are gathered at a time. 90% of the
-    device is usable; the rest holds activations at ``layers x Act(1)`` bytes per token.
+    Model states per device (its TP shard, :func:`gpu_params`): bf16 weights and gradients
+    replicated over the HDP units, fp32 master weights and Adam moments (12 bytes/param) sharded
+    over them (ZeRO-1); if the replicated part exceeds 40% of the device, everything is sharded
+    (FSDP) and two layers' weights are gathered at a time. 90% of the device is usable; the rest
+    holds activations at ``layers x Act(1)`` bytes per token.
     """
-    p = float(shape.params)
+    check_tp(shape, cl, tp)
+    p = gpu_params(shape, tp)
+    units = cl.gpus // tp
     replicated = 4.0 * p
     if replicated > 0.4 * cl.gpu_memory:
-        states = 16.0 * p / cl.gpus + 2 * 4.0 * p / shape.layers
+        states = 16.0 * p / units + 2 * 4.0 * p / shape.layers
     else:
-        states = replicated + 12.0 * p / cl.gpus
+        states = replicated + 12.0 * p / units
     free = 0.9 * cl.gpu_memory - states
     per_token = cm.layers * cm.act(1.0)
     tokens = int(free // per_token) if free > 0 else 0

@@ -12,17 +12,21 @@ __all__ = ["table", "timeline_png", "sample_ranks"]
 
 def table(results: Sequence[SimResult], baseline: Optional[str] = "static") -> str:
     """A fixed-width table: step time, tokens/s, MFU, speed-up over ``baseline`` (when present)
-    and the mean per-rank breakdown as shares of the step."""
+    and the mean per-rank breakdown as shares of the step (a ``tp`` column for the TP collectives
+    when any result has tensor parallelism)."""
     base = next((r for r in results if r.strategy == baseline), None)
+    with_tp = any(r.tp > 1 for r in results)
     head = (f"{'strategy':<12} {'step (s)':>10} {'tokens/s':>12} {'MFU':>6} {'speed-up':>8} "
-            f"{'compute':>8} {'comm':>6} {'offload':>7} {'idle':>6} {'sync':>6} {'data':>6}  max ring")
+            f"{'compute':>8} {'comm':>6}{' ' + format('tp', '>6') if with_tp else ''} {'offload':>7} "
+            f"{'idle':>6} {'sync':>6} {'data':>6}  max ring")
     lines = [head, "-" * len(head)]
     for r in results:
         b = r.breakdown()
         sh = {k: v / r.step_time_s if r.step_time_s else 0.0 for k, v in b.items()}
         up = f"{base.step_time_s / r.step_time_s:.2f}x" if base is not None and r.step_time_s else "-"
+        tpc = f" {sh['tp_comm_s']:>6.1%}" if with_tp else ""
         lines.append(f"{r.strategy:<12} {r.step_time_s:>10.3f} {r.tokens_per_s:>12.4g} {r.mfu:>6.3f} {up:>8} "
-                     f"{sh['compute_s']:>8.1%} {sh['exposed_comm_s']:>6.1%} {sh['offload_s']:>7.1%} "
+                     f"{sh['compute_s']:>8.1%} {sh['exposed_comm_s']:>6.1%}{tpc} {sh['offload_s']:>7.1%} "
                      f"{sh['idle_s']:>6.1%} {sh['grad_sync_s']:>6.1%} {sh['data_stall_s']:>6.1%}  "
                      f"{r.info.get('max_ring', 1)}")
     return "\n".join(lines)
@@ -54,26 +58,30 @@ def timeline_png(results: Sequence[SimResult], path: str, max_ranks: int = 48, t
         rep_end = float(r.info.get("replay_step_s", 0.0)) + r.data_stall_s
         for row, rank in enumerate(ranks):
             lo, hi = int(s.rank_mb[rank]), int(s.rank_mb[rank + 1])
-            bars: Dict[str, List[tuple]] = {"local": [], "ring": [], "comm": [], "off": []}
+            bars: Dict[str, List[tuple]] = {"local": [], "ring": [], "comm": [], "tp": [], "off": []}
             for m in range(lo, hi):
                 st = float(r.mb_start[m])
                 c, x, o = float(r.mb_compute[m]), float(r.mb_comm[m]), float(r.mb_offload[m])
+                tc = float(r.mb_tp_comm[m]) if r.mb_tp_comm.size else 0.0
                 bars["ring" if s.mb_ring[m] >= 0 else "local"].append((st, c))
                 if x > 0:
                     bars["comm"].append((st + c, x))
+                if tc > 0:
+                    bars["tp"].append((st + c + x, tc))
                 if o > 0:
-                    bars["off"].append((st + c + x, o))
+                    bars["off"].append((st + c + x + tc, o))
             y = (row - 0.4, 0.8)
             ax.broken_barh(bars["local"], y, facecolors="#4c72b0")
             ax.broken_barh(bars["ring"], y, facecolors="#dd8452")
             ax.broken_barh(bars["comm"], y, facecolors="#c44e52")
+            ax.broken_barh(bars["tp"], y, facecolors="#55a868")
             ax.broken_barh(bars["off"], y, facecolors="#8172b3")
             if r.data_stall_s > 0:
                 ax.broken_barh([(0.0, r.data_stall_s)], y, facecolors="#937860")
             if r.grad_sync_s > 0:
                 ax.broken_barh([(rep_end, r.grad_sync_s)], y, facecolors="#8c8c8c")
         ax.set_ylim(-0.6, len(ranks) - 0.4)
-        ax.set_ylabel("rank")
+        ax.set_ylabel("rank" if r.tp == 1 else f"unit ({r.tp} GPUs)")
         step = len(ranks) // 6 or 1
         ax.set_yticks(range(0, len(ranks), step))
         ax.set_yticklabels([str(int(x)) for x in ranks[::step]], fontsize=7)
@@ -82,10 +90,12 @@ def timeline_png(results: Sequence[SimResult], path: str, max_ranks: int = 48, t
                      + (f" ({len(ranks)} of {s.world} ranks shown)" if len(ranks) < s.world else ""), fontsize=9)
         ax.set_xlim(0, tmax * 1.01)
     axes[-1, 0].set_xlabel("time in the step (s)")
-    handles = [Patch(color=c, label=l) for c, l in [("#4c72b0", "local compute"), ("#dd8452", "ring compute"),
-                                                     ("#c44e52", "exposed ring comm"), ("#8172b3", "exposed offload"),
-                                                     ("#937860", "data stall"), ("#8c8c8c", "gradient sync")]]
-    fig.legend(handles=handles, loc="upper center", ncol=6, fontsize=8, frameon=False)
+    kinds = [("#4c72b0", "local compute"), ("#dd8452", "ring compute"), ("#c44e52", "exposed ring comm")]
+    if any(r.tp > 1 for r in results):
+        kinds.append(("#55a868", "TP collectives"))
+    kinds += [("#8172b3", "exposed offload"), ("#937860", "data stall"), ("#8c8c8c", "gradient sync")]
+    handles = [Patch(color=c, label=l) for c, l in kinds]
+    fig.legend(handles=handles, loc="upper center", ncol=len(kinds), fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, y=0.995, fontsize=10, va="bottom")
     fig.tight_layout(rect=(0, 0, 1, 0.97))

@@ -5,7 +5,7 @@ In the paper's ablation order (each adds one idea to the previous):
 ============  =======================================================================================
 static        DP x CP, one CP degree sized for the longest sequence (the smallest power of two with
               ``cp x capacity >= longest``), every sequence sharded over its replica's CP group
-              (``bytescale.data.baselines.static_cp_plan``, the runtime's own baseline)
+              (``bytescale.plan(strategy="static")``, the runtime's own baseline)
 pow2          Megatron-style dynamic CP: each long sequence on a power-of-two group, token-balanced
               (``bytescale.plan(strategy="pow2")``)
 hdp           HDP with dynamic communication only: any-integer ring sizes, memory-driven, token-
@@ -23,7 +23,7 @@ documents), the ring size, the offload ratio and the number of documents.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -109,11 +109,14 @@ def schedule_from_plan(name: str, plan: Any, lengths: np.ndarray, loader: str) -
     p = plan.raw
     M = int(p.num_micro_batches)
     mb_seg = np.asarray(p.mb_seg, dtype=np.int64)
-    seg_mb = np.repeat(np.arange(M), np.diff(mb_seg))
-    seg_len = lengths[np.asarray(p.seg_seq, dtype=np.int64)].astype(np.float64)
-    seg_size = np.asarray(p.seg_ring_size, dtype=np.float64)
-    attn = np.bincount(seg_mb, weights=seg_len * seg_len / seg_size, minlength=M)
-    docs = np.bincount(seg_mb, minlength=M).astype(np.int64)
+    seg_len = lengths[np.asarray(p.seg_seq)].astype(np.float64)
+    seg_len *= seg_len
+    seg_len /= np.asarray(p.seg_ring_size)
+    docs = np.diff(mb_seg)
+    if M and docs.all():  # reduceat sums each micro-batch's segments (none is empty)
+        attn = np.add.reduceat(seg_len, mb_seg[:-1])
+    else:
+        attn = np.bincount(np.repeat(np.arange(M), docs), weights=seg_len, minlength=M)
     mb_ring = np.asarray(p.mb_ring, dtype=np.int64)
     ring_grp = np.asarray(p.ring_grp, dtype=np.int64)
     sizes = np.diff(ring_grp)
@@ -128,41 +131,20 @@ def schedule_from_plan(name: str, plan: Any, lengths: np.ndarray, loader: str) -
               "planner_bound": float(plan.lower_bound)})
 
 
-def static_schedule(lengths: np.ndarray, world: int, capacity: int, cp: Optional[int] = None) -> Schedule:
-    """The static DP x CP baseline's schedule (``cp``: its CP degree, default sized for the longest)."""
-    from ..data.baselines import static_cp_plan
+def static_schedule(lengths: np.ndarray, world: int, capacity: int, cp: Optional[int] = None,
+                    cost: Any = None) -> Schedule:
+    """The static DP x CP baseline's schedule: the planner's ``static`` strategy (``cp``: its CP
+    degree, default sized for the longest sequence; ``cost``: the cost model of the planner's own
+    prediction)."""
+    from ..planner import plan as make_plan
 
-    sp = static_cp_plan(lengths.tolist(), world, capacity, cp)
-    cp, R = sp.cp, world // sp.cp
-    # every replica's bins, in order; bin b of replica r is one micro-batch on each of its cp ranks
-    bins: List[List[int]] = [b for rep in sp.per_replica for b in rep]
-    nb = np.array([len(rep) for rep in sp.per_replica], dtype=np.int64)  # bins per replica
-    L = lengths.astype(np.float64)
-    bin_tok = np.array([L[b].sum() for b in bins], dtype=np.float64)
-    bin_sq = np.array([(L[b] ** 2).sum() for b in bins], dtype=np.float64)
-    bin_docs = np.array([len(b) for b in bins], dtype=np.int64)
-    rep_first = np.concatenate([[0], np.cumsum(nb)])
-    # ranks in order: replica r owns ranks r*cp .. r*cp+cp-1, each running the replica's bins
-    per_rank = np.repeat(nb, cp)
-    rank_mb = np.concatenate([[0], np.cumsum(per_rank)]).astype(np.int64)
-    rank_rep = np.repeat(np.arange(R), cp)
-    mb_bin = np.concatenate([np.arange(rep_first[r], rep_first[r + 1]) for r in rank_rep]) \
-        if rank_mb[-1] else np.zeros(0, np.int64)
-    if cp > 1:
-        mb_ring = mb_bin.astype(np.int64)  # bins are numbered replica by replica: one ring each
-        bin_rep = np.repeat(np.arange(R), nb)
-        grp_ranks = (bin_rep[:, None] * cp + np.arange(cp)[None, :]).reshape(-1).astype(np.int32)
-        ring_grp = np.arange(len(bins) + 1, dtype=np.int64) * cp
-    else:
-        mb_ring = np.full(mb_bin.shape, -1, dtype=np.int64)
-        grp_ranks = np.zeros(0, dtype=np.int32)
-        ring_grp = np.zeros(1, dtype=np.int64)
-    return Schedule(
-        strategy="static", world=world, rank_mb=rank_mb, mb_ring=mb_ring, ring_grp=ring_grp,
-        grp_ranks=grp_ranks, mb_tokens=bin_tok[mb_bin] / cp, mb_attn=bin_sq[mb_bin] / cp,
-        mb_ring_size=np.full(mb_bin.shape, cp, dtype=np.int64), mb_offload=np.zeros(mb_bin.shape),
-        mb_docs=bin_docs[mb_bin], loader="local",
-        info={"cp": cp, "dp": R, "rings": len(bins) if cp > 1 else 0, "max_ring": cp})
+    lengths = np.asarray(lengths, dtype=np.int64)
+    p = make_plan(lengths, world, capacity, strategy="static", cost=cost, static_cp=cp)
+    sizes = np.asarray(p.raw.seg_ring_size)
+    deg = int(sizes.max()) if sizes.size else (cp or 1)
+    sched = schedule_from_plan("static", p, lengths, "local")
+    sched.info.update(cp=deg, dp=world // deg)
+    return sched
 
 
 def build_schedule(name: str, lengths: np.ndarray, world: int, capacity: int, cost: Any,
@@ -178,7 +160,7 @@ def build_schedule(name: str, lengths: np.ndarray, world: int, capacity: int, co
     kind, offload, loader = STRATEGIES[name]
     lengths = np.asarray(lengths, dtype=np.int64)
     if kind == "static":
-        return static_schedule(lengths, world, capacity)
+        return static_schedule(lengths, world, capacity, cost=cost)
     from ..planner import plan as make_plan
 
     key = (kind, offload)

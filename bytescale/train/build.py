@@ -5,10 +5,13 @@ an HF ``config.json`` (or a directory holding one) builds
 ``AutoModelForCausalLM.from_config(config, attn_implementation="bytescale")``, randomly
 initialised from ``model.init_seed`` (the same on every rank).
 
-Parallelisation, in TorchTitan's order: activation checkpointing per block, ``torch.compile`` per
-block, FSDP2 ``fully_shard`` per block then the root, and finally
-:class:`bytescale.HybridDataParallel` (replicated parameters: gradients summed once a step;
-FSDP2: the wrapper makes its reduce-scatter a sum and syncs on the last micro-batch).
+Parallelisation, in TorchTitan's order: tensor parallelism inside each HDP unit (the mesh's "tp"
+dimension: :func:`bytescale.models.parallel.tensor_parallel` for bytescale's Llama, the model's own
+transformers plan for HF models), activation checkpointing per block, ``torch.compile`` per block,
+FSDP2 ``fully_shard`` per block then the root over the mesh's "hdp" dimension, and finally
+:class:`bytescale.HybridDataParallel` (replicated parameters: gradients summed once a step over the
+ranks of the same TP index; FSDP2: the wrapper makes its reduce-scatter a sum and syncs on the last
+micro-batch).
 """
 from __future__ import annotations
 
@@ -281,13 +284,29 @@ def blocks(model: nn.Module, info: ModelInfo) -> List[nn.Module]:
     return list(layers)
 
 
-def parallelize(model: nn.Module, info: ModelInfo, cfg: TrainConfig, device: torch.device):
-    """Activation checkpointing, compile, FSDP2, HybridDataParallel (see module docstring)."""
-    import torch.distributed as dist
-
-    from .. import HybridDataParallel, RuntimeConfig
+def parallelize(model: nn.Module, info: ModelInfo, cfg: TrainConfig, device: torch.device, mesh=None):
+    """Tensor parallelism, activation checkpointing, compile, FSDP2, HybridDataParallel (see module
+    docstring). ``mesh``: the job's :class:`bytescale.Mesh` (default: the current one)."""
+    from .. import HybridDataParallel, current_mesh
+    from .config import runtime_config
 
     run = cfg.train
+    mesh = mesh or current_mesh()
+    if mesh is None:
+        raise ConfigError("parallelize: no mesh; call bytescale.init_mesh first")
+    if mesh.tp > 1:
+        from ..models.parallel import hf_tensor_parallel, tensor_parallel
+
+        try:
+            if info.kind == "llama":
+                tensor_parallel(model, mesh["tp"], sequence_parallel=cfg.hdp.sequence_parallel)
+            else:
+                if cfg.hdp.sequence_parallel:
+                    raise ValueError("hdp.sequence_parallel applies to bytescale's Llama, not to HF models "
+                                     "(their transformers TP plan has none)")
+                hf_tensor_parallel(model, mesh["tp"])
+        except ValueError as e:
+            raise ConfigError(f"hdp.tp={mesh.tp} with model {cfg.model.name}: {e}") from None
     if run.activation_checkpointing:
         if info.kind == "llama":
             model.activation_checkpointing = True
@@ -299,16 +318,15 @@ def parallelize(model: nn.Module, info: ModelInfo, cfg: TrainConfig, device: tor
     if run.compile:
         for b in blocks(model, info):
             b.compile(backend=run.compile_backend, dynamic=True)  # token counts change every micro-batch
+    rt = runtime_config(cfg)
     if cfg.hdp.fsdp:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         for b in blocks(model, info):
-            fully_shard(b, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    rt = RuntimeConfig(bucket_cap_mb=cfg.hdp.bucket_cap_mb, bf16_grad_comm=cfg.hdp.bf16_grad_comm)
-    return HybridDataParallel(model, config=rt), rt
+            fully_shard(b, mesh=mesh["hdp"])
+        fully_shard(model, mesh=mesh["hdp"])
+        return HybridDataParallel(model, config=rt), rt
+    return HybridDataParallel(model, process_group=mesh.group("hdp") if mesh.tp > 1 else None, config=rt), rt
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig):

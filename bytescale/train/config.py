@@ -6,6 +6,12 @@ the aliases in :data:`ALIASES` (``--data``, ``--steps``, ``--checkpoint-dir`` ..
 name that occurs in one section only (``--capacity``, ``--lr``, ``--fsdp``). ``--key value`` works
 as well as ``--key=value``; a boolean flag alone means true (``--fsdp``, ``--fsdp=false``).
 
+The ``data`` and ``hdp`` sections derive their options from the library's configs
+(:mod:`bytescale.config`: LoaderConfig, PlannerConfig, ParallelConfig, RuntimeConfig; types,
+defaults, help, choices and bounds are declared there once); :func:`planner_config`,
+:func:`loader_config`, :func:`runtime_config` and :func:`parallel_config` turn a TrainConfig back
+into them.
+
 Everything is validated when the config is built: an unknown key names itself (and the nearest
 known one), a bad value names the field, the value and what was expected.
 """
@@ -15,12 +21,15 @@ import difflib
 import json
 import os
 import typing
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, make_dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from ..config import LoaderConfig, ParallelConfig, PlannerConfig, RuntimeConfig
+
 __all__ = ["ConfigError", "TrainConfig", "ModelConfig", "DataConfig", "HDPConfig", "OptimConfig",
-           "RunConfig", "CheckpointConfig", "MetricsConfig", "ALIASES", "parse_args"]
+           "RunConfig", "CheckpointConfig", "MetricsConfig", "ALIASES", "parse_args", "planner_config",
+           "loader_config", "runtime_config", "parallel_config"]
 
 
 class ConfigError(ValueError):
@@ -43,35 +52,85 @@ class ModelConfig:
     init_seed: int = _f(0, "seed of the initial weights (the same on every rank)")
 
 
-@dataclass(frozen=True)
-class DataConfig:
-    path: Optional[str] = _f(None, "a token store directory, or synthetic:CORPUS (byted, github) "
-                                   "for generated sequences with that length distribution")
-    spec: Optional[str] = _f(None, "a mixing spec file (TOML/YAML/JSON) served by the data service")
-    tokens_per_batch: int = _f(16384, "global batch size in tokens", min=1)
-    seed: int = _f(0, "seed of the global batch order")
-    max_length: int = _f(0, "longer documents are split into pieces of at most this many tokens "
-                            "(0: capacity x world size, the longest a plan can hold; a resumed run "
-                            "keeps its checkpoint's)", min=0)
-    length_scale: float = _f(1.0, "token store: keep the first ceil(length x scale) tokens of each "
-                                  "document (the length distribution at CPU scale)", min=0.0)
-    synthetic_docs: int = _f(4000, "number of sequences of a synthetic corpus", min=1)
-    synthetic_scale: float = _f(1 / 512, "length scale of a synthetic corpus", min=0.0)
-    prefetch: bool = _f(True, "prepare the next step while this one trains")
-    workers: int = _f(1, "source workers per source of the data service (--data-spec)", min=1)
+def _lib(cls: type, name: str, rename: Optional[str] = None, default: Any = MISSING, type_: Any = None,
+         help: Optional[str] = None, min: Any = MISSING):
+    """A train option copied from a library config field (bytescale/config.py): its type, default,
+    help, choices and bound, each overridable where the command line needs another."""
+    f = {x.name: x for x in fields(cls)}[name]
+    meta = dict(f.metadata)
+    if help is not None:
+        meta["help"] = help
+    if min is not MISSING:
+        meta["min"] = min
+    d = f.default if default is MISSING else default
+    if d is MISSING:
+        raise TypeError(f"{cls.__name__}.{name} has no default; give the train option one")
+    return (rename or name, type_ or f.type, field(default=d, metadata=meta))
 
 
-@dataclass(frozen=True)
-class HDPConfig:
-    capacity: int = _f(1024, "tokens per micro-batch per rank", min=1)
-    strategy: str = _f("balanced", "planner strategy; static is the DP x CP baseline",
-                       choices=("balanced", "naive", "pow2", "static"))
-    static_cp: int = _f(0, "CP degree of the static baseline (0: sized for the longest document)", min=0)
-    offload: bool = _f(False, "let the planner offload activations of long sequences (paper Eq. 3)")
-    fsdp: bool = _f(False, "shard parameters, gradients and optimizer state with FSDP2 fully_shard")
-    bf16_grad_comm: bool = _f(False, "ring attention's dK/dV traffic in bf16")
-    cost_profile: Optional[str] = _f(None, "planner cost model (a JSON profile from bytescale.profile)")
-    bucket_cap_mb: float = _f(25.0, "gradient all-reduce bucket size (MiB)", min=0.0)
+def _section(name: str, doc: str, *specs) -> type:
+    cls = make_dataclass(name, list(specs), frozen=True)
+    cls.__doc__ = doc
+    cls.__module__ = __name__
+    return cls
+
+
+DataConfig = _section(
+    "DataConfig", "The data options (the loader's from bytescale.config.LoaderConfig).",
+    ("path", "Optional[str]", _f(None, "a token store directory, or synthetic:CORPUS (byted, github) "
+                                       "for generated sequences with that length distribution")),
+    ("spec", "Optional[str]", _f(None, "a mixing spec file (TOML/YAML/JSON) served by the data service")),
+    _lib(LoaderConfig, "tokens_per_batch", default=16384),
+    _lib(LoaderConfig, "seed"),
+    ("max_length", "int", _f(0, "longer documents are split into pieces of at most this many tokens "
+                                "(0: capacity x HDP units, the longest a plan can hold; a resumed run "
+                                "keeps its checkpoint's)", min=0)),
+    ("length_scale", "float", _f(1.0, "token store: keep the first ceil(length x scale) tokens of each "
+                                      "document (the length distribution at CPU scale)", min=0.0)),
+    ("synthetic_docs", "int", _f(4000, "number of sequences of a synthetic corpus", min=1)),
+    ("synthetic_scale", "float", _f(1 / 512, "length scale of a synthetic corpus", min=0.0)),
+    _lib(LoaderConfig, "prefetch"),
+    ("workers", "int", _f(1, "source workers per source of the data service (--data-spec)", min=1)),
+)
+
+HDPConfig = _section(
+    "HDPConfig", "The HDP, mesh and runtime options (from bytescale.config's PlannerConfig, ParallelConfig and "
+                 "RuntimeConfig).",
+    _lib(PlannerConfig, "capacity", default=1024),
+    _lib(PlannerConfig, "strategy"),
+    _lib(PlannerConfig, "static_cp", default=0, type_="int", min=0,
+         help="CP degree of the static baseline (0: sized for the longest document)"),
+    _lib(PlannerConfig, "offload"),
+    _lib(ParallelConfig, "fsdp"),
+    _lib(ParallelConfig, "tp"),
+    _lib(ParallelConfig, "sequence_parallel"),
+    _lib(RuntimeConfig, "bf16_grad_comm"),
+    _lib(PlannerConfig, "cost", rename="cost_profile", type_="Optional[str]",
+         help="planner cost model (a JSON profile from bytescale.profile)"),
+    _lib(RuntimeConfig, "bucket_cap_mb"),
+)
+
+
+def planner_config(cfg: "TrainConfig", capacity: Optional[int] = None,
+                   static_cp: Optional[int] = None) -> PlannerConfig:
+    """The run's :class:`~bytescale.config.PlannerConfig` (``capacity``: a resumed run's raised one)."""
+    h = cfg.hdp
+    return PlannerConfig(capacity or h.capacity, strategy=h.strategy, offload=h.offload, cost=h.cost_profile,
+                         static_cp=static_cp or None)
+
+
+def loader_config(cfg: "TrainConfig") -> LoaderConfig:
+    d = cfg.data
+    return LoaderConfig(d.tokens_per_batch, seed=d.seed, max_steps=cfg.train.stop_after or cfg.train.steps,
+                        prefetch=d.prefetch, lockstep=cfg.hdp.fsdp)
+
+
+def runtime_config(cfg: "TrainConfig") -> RuntimeConfig:
+    return RuntimeConfig(bucket_cap_mb=cfg.hdp.bucket_cap_mb, bf16_grad_comm=cfg.hdp.bf16_grad_comm)
+
+
+def parallel_config(cfg: "TrainConfig") -> ParallelConfig:
+    return ParallelConfig(tp=cfg.hdp.tp, sequence_parallel=cfg.hdp.sequence_parallel, fsdp=cfg.hdp.fsdp)
 
 
 @dataclass(frozen=True)
@@ -175,6 +234,11 @@ class TrainConfig:
         if self.hdp.static_cp and self.hdp.strategy != "static":
             raise ConfigError(f"hdp.static_cp={self.hdp.static_cp} applies to hdp.strategy=static only "
                               f"(strategy is {self.hdp.strategy!r})")
+        if self.hdp.sequence_parallel and self.hdp.tp == 1:
+            raise ConfigError("hdp.sequence_parallel needs hdp.tp > 1 (--tp)")
+        if self.hdp.offload and self.hdp.strategy == "static":
+            raise ConfigError("hdp.offload (--offload) does not apply to hdp.strategy=static (the DP x CP "
+                              "baseline does not offload)")
         if self.train.stop_after > self.train.steps:
             raise ConfigError(f"train.stop_after {self.train.stop_after} is beyond train.steps {self.train.steps}")
         if not 0 < self.data.length_scale <= 1:

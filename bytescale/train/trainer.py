@@ -3,15 +3,15 @@
 One :class:`Trainer` owns a run: the process group (unless one exists), the dataset and HDP
 loader, the model (bytescale's Llama or an HF model) and its parallelisation, AdamW with warm-up
 and cosine decay, checkpoints and metrics. Each step: wait for this rank's micro-batches (the
-loader plans the global batch and prefetches the next one), forward and backward each micro-batch
-inside ``HybridDataParallel.micro_batch`` (layout, the plan's offload ratio), the token-level loss
-plus the MoE balance loss, ``finish_step`` (gradients summed over ranks), clipping on the summed
-gradient, the optimizer and LR steps, metrics, and a checkpoint when due.
+loader plans the global batch over HDP units and prefetches the next one), the step executor
+(:class:`bytescale.runtime.StepExecutor`: forward and backward of each micro-batch in the plan's
+order with its layout and offload ratio, the token-level loss plus the MoE balance loss, gradient
+sync over the HDP dimension), clipping on the summed gradient, the optimizer and LR steps,
+metrics, and a checkpoint when due. The job's mesh is ``hdp x tp`` (``--tp``, :func:`bytescale.init_mesh`).
 """
 from __future__ import annotations
 
 import base64
-import contextlib
 import datetime
 import json
 import os
@@ -93,6 +93,7 @@ class Trainer:
             raise ConfigError("train.device=cuda but no CUDA device is available")
         self.owns_pg = init_distributed(dev)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.mesh = None
         self.device = torch.device("cuda", torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu")
         self.name = cfg.train.name or ("HDP" if cfg.hdp.strategy != "static" else "static DPxCP")
         self.checkpointer: Optional[Checkpointer] = None
@@ -108,10 +109,18 @@ class Trainer:
 
     # -- construction ---------------------------------------------------------------------------
     def _build(self) -> None:
-        from .. import LoaderConfig, PlannerConfig
-        from ..data import DatasetSource, HDPLoader, static_cp_degree
+        from .. import init_mesh
+        from .config import loader_config, planner_config
+        from ..data import DatasetSource, HDPLoader
+        from ..planner import static_cp_degree
 
         cfg = self.cfg
+        try:
+            self.mesh = init_mesh(tp=cfg.hdp.tp)
+        except ValueError as e:
+            raise ConfigError(f"hdp.tp={cfg.hdp.tp}: {e}") from None
+        self.units = self.mesh.units
+        self.hdp = self.units.num_units
         self.resume_path, self.max_length = self._find_resume_point()
         if cfg.data.spec:
             self.service, self.source, longest = open_service(cfg, self.rank)
@@ -124,39 +133,41 @@ class Trainer:
             longest = int(max(lengths))
             self.source = LengthRecorder(DatasetSource(self.dataset, cfg.data.tokens_per_batch, cfg.data.seed))
         self.model_module, self.info = build_model(cfg, vocab, self.device)
-        self.model, self.runtime = parallelize(self.model_module, self.info, cfg, self.device)
+        self.model, self.runtime = parallelize(self.model_module, self.info, cfg, self.device, self.mesh)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
         self.capacity = cfg.hdp.capacity
-        if longest > self.capacity * self.world and not cfg.hdp.offload:
+        units = self.hdp
+        what = "ranks" if self.mesh.tp == 1 else f"HDP units (of tp={self.mesh.tp} ranks)"
+        if longest > self.capacity * units and not cfg.hdp.offload:
             if self.resume_path is None:
-                raise ConfigError(f"the longest document ({longest} tokens) does not fit {self.world} ranks x "
+                raise ConfigError(f"the longest document ({longest} tokens) does not fit {units} {what} x "
                                   f"hdp.capacity {cfg.hdp.capacity}; raise --capacity, run on more ranks, or "
                                   "lower data.max_length (a mixing spec: the sources' max_length)")
-            # a run resumed on fewer ranks keeps its documents: each rank holds more of them
-            self.capacity = -(-longest // self.world)
-            self._log0(f"[{self.name}] hdp.capacity raised from {cfg.hdp.capacity} to {self.capacity} tokens/rank: "
-                       f"the run's longest document ({longest} tokens) must fit {self.world} ranks")
+            # a run resumed on fewer units keeps its documents: each unit holds more of them
+            self.capacity = -(-longest // units)
+            self._log0(f"[{self.name}] hdp.capacity raised from {cfg.hdp.capacity} to {self.capacity} tokens/unit: "
+                       f"the run's longest document ({longest} tokens) must fit {units} {what}")
         static_cp = None
         if cfg.hdp.strategy == "static":
             if not (cfg.hdp.static_cp or longest):
                 raise ConfigError("hdp.strategy=static with a mixing spec whose sources have no max_length: "
                                   "give hdp.static_cp (--static-cp)")
             try:
-                static_cp = cfg.hdp.static_cp or static_cp_degree(longest, self.capacity, self.world)
+                static_cp = cfg.hdp.static_cp or static_cp_degree(longest, self.capacity, units)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         self.static_cp = static_cp
-        self.planner = PlannerConfig(self.capacity, strategy=cfg.hdp.strategy, offload=cfg.hdp.offload,
-                                     cost=cfg.hdp.cost_profile, static_cp=static_cp)
-        self.loader = HDPLoader(self.source, self.planner,
-                                LoaderConfig(cfg.data.tokens_per_batch, seed=cfg.data.seed,
-                                             max_steps=cfg.train.stop_after or cfg.train.steps,
-                                             prefetch=cfg.data.prefetch, lockstep=cfg.hdp.fsdp),
-                                runtime=self.runtime)
+        self.planner = planner_config(cfg, self.capacity, static_cp)
+        self.loader = HDPLoader(self.source, self.planner, loader_config(cfg), runtime=self.runtime,
+                                units=self.units)
         self.step = 0
         self.peak = peak_flops(self.device, cfg.train.peak_tflops)
-        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if cfg.train.bf16
-                         else contextlib.nullcontext())
+        from ..runtime import StepExecutor
+
+        dev_type = self.device.type
+        self.executor = StepExecutor(
+            self.model, mesh=self.mesh,
+            autocast=(lambda: torch.autocast(dev_type, dtype=torch.bfloat16)) if cfg.train.bf16 else None)
         if cfg.checkpoint.dir:
             self.checkpointer = Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep,
                                              async_save=cfg.checkpoint.async_save, timeout=train_timeout())
@@ -176,7 +187,8 @@ class Trainer:
                                     name=self.name, metrics_path=mt.path, samples_path=mt.samples_log,
                                     tensorboard_dir=tb, progress=cfg.train.progress, log_every=cfg.train.log_every)
         self.logger.print(
-            f"[{self.name}] {self.world} ranks on {self.device.type} | model {cfg.model.name} "
+            f"[{self.name}] {self.world} ranks on {self.device.type}"
+            f"{f' (hdp {self.hdp} x tp {self.mesh.tp})' if self.mesh.tp > 1 else ''} | model {cfg.model.name} "
             f"({self.info.params / 1e6:.2f}M parameters{', MoE' if self.info.moe else ''}) | {self.data_desc} | "
             f"capacity {self.capacity} tokens/rank, global batch <= {cfg.data.tokens_per_batch} tokens | "
             f"planner {cfg.hdp.strategy}{f' cp={static_cp}' if static_cp else ''}"
@@ -212,7 +224,7 @@ class Trainer:
         cc = self.cfg.checkpoint
         if cc.resume_from and not cc.dir:
             raise ConfigError("checkpoint.resume_from needs checkpoint.dir (where this run saves)")
-        msg, path, max_len = None, None, self.cfg.data.max_length or self.cfg.hdp.capacity * self.world
+        msg, path, max_len = None, None, self.cfg.data.max_length or self.cfg.hdp.capacity * self.hdp
         if self.rank == 0:
             try:
                 found = list_checkpoints(cc.dir) if cc.dir else []
@@ -270,7 +282,9 @@ class Trainer:
             torch.set_rng_state(rng[self.rank]["cpu"])
             if self.device.type == "cuda" and rng[self.rank].get("cuda") is not None:
                 torch.cuda.set_rng_state(rng[self.rank]["cuda"])
-        self._log0(f"[{self.name}] resumed from {path} (saved at {tr['world_size']} ranks, now {self.world}) "
+        saved = tr.get("mesh") or {"hdp": tr["world_size"], "tp": 1}
+        self._log0(f"[{self.name}] resumed from {path} (saved at {tr['world_size']} ranks, hdp {saved['hdp']} x "
+                   f"tp {saved['tp']}; now {self.world}, hdp {self.hdp} x tp {self.mesh.tp}) "
                    f"at step {self.step}")
 
     def _log0(self, msg: str) -> None:
@@ -284,7 +298,8 @@ class Trainer:
                 "cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
         rngs: List[Any] = [None] * self.world
         dist.all_gather_object(rngs, mine)
-        trainer = {"step": self.step, "world_size": self.world, "scheduler": self.scheduler.state_dict(),
+        trainer = {"step": self.step, "world_size": self.world, "mesh": self.mesh.to_dict(),
+                   "scheduler": self.scheduler.state_dict(),
                    "loader": self.loader.state_dict(),
                    "rng": base64.b64encode(pickle.dumps(rngs)).decode()}
         state = {"app": AppState(self.model_module, self.optimizer), "trainer": json.dumps(trainer)}
@@ -292,58 +307,19 @@ class Trainer:
         self.checkpointer.save(self.step, state, manifest, block=block)
 
     # -- the loop -------------------------------------------------------------------------------
-    def _forward(self, mb, step) -> tuple:
-        ids = mb.input_ids.to(self.device, non_blocking=True)
-        pos = mb.position_ids.to(self.device, non_blocking=True)
-        if self.info.kind == "llama":
-            logits, aux = self.model(ids, pos, layout=mb.layout, global_tokens=step.global_tokens,
-                                     return_aux=True)
-            return logits, aux
-        if ids.numel() == 0:  # see _padding_layout
-            out = self.model(input_ids=ids.new_zeros(1, 1), position_ids=pos.new_zeros(1, 1), use_cache=False)
-            return out.logits[0, :0] + out.logits.sum() * 0, None
-        out = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False)
-        return out.logits[0], None
-
-    def _padding_layout(self, mb):
-        """A lockstep padding slot (FSDP2) for an HF model: HF cannot run zero tokens, so one dummy
-        token under its own one-token layout (forward and backward, recomputation included) whose
-        logits count times 0 keeps every parameter in the graph."""
-        if mb.num_tokens or self.info.kind == "llama":
-            return contextlib.nullcontext()
-        from ..attention import Layout, micro_batch_context
-
-        return micro_batch_context(Layout.local([1]))
-
     def train_step(self, step) -> Dict[str, float]:
-        from ..runtime import token_level_loss
+        """One step through the step executor (forward and backward of every micro-batch in the
+        plan's order, gradient sync), then clipping, the optimizer and the LR schedule."""
+        from ..runtime.grad import clip_grad_norm_
 
-        t0 = time.perf_counter()
-        mbs = step.micro_batches
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        aux_sum = torch.zeros((), dtype=torch.float64)
-        for i, mb in enumerate(mbs):
-            with self.model.micro_batch(mb, last=i == len(mbs) - 1), self._padding_layout(mb):
-                with self.autocast:
-                    logits, aux = self._forward(mb, step)
-                    loss = token_level_loss(logits, mb.labels.to(self.device), step.global_loss_tokens)
-                total = loss if aux is None else loss + aux
-                total.backward()
-            loss_sum += loss.detach().double().cpu()
-            if aux is not None:
-                aux_sum += aux.detach().double().cpu()
-        compute = time.perf_counter() - t0
-        self.model.finish_step()
-        max_norm = self.cfg.optim.grad_clip or float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
+        out = self.executor.run(step)
+        norm = clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip or float("inf"))
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": float(loss_sum), "aux": float(aux_sum), "compute": compute, "grad_norm": float(norm),
-                "lr": float(lr), "mbs": float(sum(1 for m in mbs if m.num_tokens))}
+        return {"loss": out.loss, "aux": out.aux, "compute": out.compute_s, "grad_norm": float(norm),
+                "lr": float(lr), "mbs": float(out.micro_batches)}
 
     def train(self) -> List[Dict[str, Any]]:
         cfg = self.cfg
@@ -360,13 +336,17 @@ class Trainer:
                 torch.cuda.reset_peak_memory_stats(self.device)
             out = self.train_step(step)
             elapsed = time.perf_counter() - t0
-            mine = torch.tensor([out["loss"], out["aux"], out["compute"], wait, elapsed, out["mbs"]],
-                                dtype=torch.float64)
+            # every TP rank of a unit computes the unit's loss: count it once (TP index 0)
+            first = float(self.mesh.coords()["tp"] == 0)
+            mine = torch.tensor([out["loss"] * first, out["aux"] * first, out["compute"], wait, elapsed,
+                                 out["mbs"]], dtype=torch.float64)
             table = [torch.zeros_like(mine) for _ in range(self.world)]
             dist.all_gather(table, mine)
             t = torch.stack(table)
             step_time = float(t[:, 4].max())
-            flops = self.info.flops.step_flops(self.source.lengths.get(step.index, ()))
+            lengths = self.source.lengths.get(step.index, ())
+            flops = self.info.flops.step_flops(lengths)
+            rings = step.plan.ring_sizes()  # batch position -> ranks, sharded sequences only
             rec = {"step": step.index, "loss": float(t[:, 0].sum()), "aux_loss": float(t[:, 1].sum()),
                    "lr": out["lr"], "grad_norm": out["grad_norm"], "tokens": step.global_tokens,
                    "documents": len(step.sample_ids), "step_time_s": step_time,
@@ -376,7 +356,9 @@ class Trainer:
                    "compute_s": float(t[:, 2].max()),  # the micro-batch loop (fwd+bwd+grad sync) of the slowest rank
                    "imbalance": float(t[:, 2].max() / max(float(t[:, 2].mean()), 1e-12)),
                    "micro_batches": [int(x) for x in t[:, 5].tolist()],
-                   "ring_sizes": sorted(step.plan.ring_sizes().values(), reverse=True)[:8]}
+                   "ring_sizes": sorted(rings.values(), reverse=True)[:8],
+                   "sequences": len(lengths), "sharded_sequences": len(rings),
+                   "sharded_tokens": int(sum(lengths[i] for i in rings if i < len(lengths)))}
             if self.device.type == "cuda":  # this rank's peak device memory in the step
                 rec["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
                 rec["max_memory_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30

@@ -31,6 +31,10 @@ namespace {
 class NamedProcessGroup : public c10d::ProcessGroup {
  public:
   NamedProcessGroup(int rank, int size) : c10d::ProcessGroup(rank, size) {}
+  // With the group's store: ProcessGroup::splitGroup (dist.split_group, DeviceMesh on a
+  // device-bound world) makes its children's stores from it.
+  NamedProcessGroup(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size)
+      : c10d::ProcessGroup(store, rank, size) {}
   const std::string getBackendName() const override { return "bytescale"; }
 };
 
@@ -46,7 +50,9 @@ void bind_comm(py::module_& m) {
       m, "NamedProcessGroup",
       "A c10d ProcessGroup named 'bytescale' whose collectives dispatch in C++ without the GIL "
       "(subclass it from Python; do not override its collectives).")
-      .def(py::init<int, int>(), py::arg("rank"), py::arg("size"));
+      .def(py::init<int, int>(), py::arg("rank"), py::arg("size"))
+      .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int>(), py::arg("store"),
+           py::arg("rank"), py::arg("size"));
 
   py::class_<BytescaleBackend, c10d::Backend, c10::intrusive_ptr<BytescaleBackend>>(
       m, "BytescaleBackend",
@@ -59,6 +65,34 @@ void bind_comm(py::module_& m) {
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("gloo"),
            py::call_guard<py::gil_scoped_release>())
+      .def_static(
+          "static_group",
+          [](const c10::intrusive_ptr<c10d::Store>& store, int rank,
+             std::chrono::milliseconds timeout, const c10::intrusive_ptr<c10d::Backend>& gloo,
+             std::vector<int> global_ranks, const py::object& parent) {
+            c10::intrusive_ptr<c10d::Backend> owner;
+            BytescaleBackend* p = nullptr;
+            if (!parent.is_none()) {
+              owner = parent.cast<c10::intrusive_ptr<c10d::Backend>>();
+              p = dynamic_cast<BytescaleBackend*>(owner.get());
+              TORCH_CHECK(p, "bytescale: a static group splits its CUDA communicator from a "
+                          "bytescale backend, got ", owner->getBackendName());
+            }
+            py::gil_scoped_release nogil;
+            return BytescaleBackend::makeStatic(store, rank, timeout, gloo,
+                                                std::move(global_ranks), p);
+          },
+          py::arg("store"), py::arg("rank"), py::arg("timeout"), py::arg("gloo"),
+          py::arg("global_ranks"), py::arg("parent") = py::none(),
+          "A static group of `global_ranks` (this process at `rank`) on the Gloo context `gloo` "
+          "of its members; its CUDA communicator is split from `parent`'s (every rank of the "
+          "parent takes part; non-members through perform_nocolor_split) or, without a parent, "
+          "created on the group's first CUDA collective.")
+      .def("perform_nocolor_split", &BytescaleBackend::performNoColorSplit, py::arg("device"),
+           py::call_guard<py::gil_scoped_release>(),
+           "A non-member's part in a split of this group's CUDA communicator (torch calls it).")
+      .def_property_readonly("is_world", &BytescaleBackend::isWorld)
+      .def_property_readonly("global_ranks", &BytescaleBackend::globalRanks)
       .def_property_readonly("timeout", &BytescaleBackend::timeout)
       .def(
           "device_connected",

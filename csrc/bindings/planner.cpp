@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "planner/planner.h"
+#include "planner/reference.h"
 #include "planner/replay.h"
 
 namespace py = pybind11;
@@ -113,6 +114,10 @@ void bind_planner(py::module_& m) {
       },
       py::arg("cost"), py::arg("length"), py::arg("capacity"),
       "Eq. 3: (ranks, offload ratio) for one sequence.");
+  m.def("static_cp_degree", &planner::staticCpDegree, py::arg("longest"), py::arg("capacity"),
+        py::arg("world_size"),
+        "The static DP x CP baseline's CP degree: the smallest power of two cp with cp x capacity >= "
+        "longest; ValueError when it exceeds world_size.");
   m.def("ranks_without_offload", &planner::ranksWithoutOffload, py::arg("cost"), py::arg("length"),
         py::arg("capacity"));
 
@@ -224,9 +229,36 @@ void bind_planner(py::module_& m) {
       .def_readwrite("memory", &PlanOptions::memory)
       .def_readwrite("cost", &PlanOptions::cost)
       .def_readwrite("offload", &PlanOptions::offload)
+      .def_readwrite("static_cp", &PlanOptions::static_cp,
+                     "strategy 'static': the CP degree (0: sized for the step's longest sequence)")
       .def_property(
           "strategy", [](const PlanOptions& o) { return planner::strategyName(o.strategy); },
           [](PlanOptions& o, const std::string& s) { o.strategy = planner::parseStrategy(s); });
+
+  m.def(
+      "reference_plan",
+      [](const py::array& raw, const PlanOptions& opt, bool exact, int64_t budget, uint64_t seed,
+         const std::shared_ptr<Plan>& start) {
+        const char kind = raw.dtype().kind();
+        if ((kind != 'i' && kind != 'u') || raw.ndim() != 1)
+          throw py::value_error("reference_plan: lengths must be a 1-D integer array");
+        if (budget < 1) throw py::value_error("reference_plan: budget must be >= 1, got " + std::to_string(budget));
+        auto lengths = py::cast<Arr<int64_t>>(raw);
+        std::vector<int64_t> v(lengths.data(), lengths.data() + lengths.size());
+        planner::ReferencePlan r;
+        {
+          py::gil_scoped_release nogil;
+          r = exact ? planner::exactReference(v, opt, budget)
+                    : planner::searchReference(v, opt, budget, seed, start.get());
+        }
+        return py::make_tuple(std::make_shared<Plan>(std::move(r.plan)), r.optimal, r.work);
+      },
+      py::arg("lengths"), py::arg("options"), py::arg("exact") = false, py::arg("budget") = 20000,
+      py::arg("seed") = 1, py::arg("start") = nullptr,
+      "Reference schedules that measure the strategies (csrc/planner/reference.h): exact=True is "
+      "the exhaustive search (at most 10 sequences and 16 ranks; budget = node limit), else a "
+      "local search (budget = schedules evaluated) from a greedy start and from `start` (a plan of "
+      "the same input). Returns (plan, optimal, work).");
 
   m.def(
       "make_plan",

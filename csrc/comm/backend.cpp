@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 
+#include <algorithm>
+
 #include "comm/consistency.h"
 #include "comm/group_ops.h"
 #include "comm/work.h"
@@ -104,12 +106,7 @@ c10::intrusive_ptr<c10d::Work> launchGloo(c10d::Backend& gloo, const Collective&
 BytescaleBackend::BytescaleBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                                    std::chrono::milliseconds timeout,
                                    c10::intrusive_ptr<c10d::Backend> gloo)
-    : CollectiveBackend(std::make_shared<const RankMap>(iota(size), size, rank), "world group",
-                        timeout),
-      store_(std::move(store)),
-      gloo_(std::move(gloo)) {
-  TORCH_CHECK(gloo_, "bytescale: the world backend needs a Gloo backend for CPU tensors");
-  cpu_ = std::make_shared<GlooTransport>(gloo_, rank, size, timeout);
+    : BytescaleBackend(std::move(store), rank, size, timeout, std::move(gloo), iota(size), true) {
   registerWorldTransport(c10::DeviceType::CPU, cpu_);
   // The CUDA plug-in is created now (its communicator still lazily, by the first world collective
   // on a CUDA tensor or by device_id=), so dynamic groups and ring attention find its transport
@@ -121,6 +118,117 @@ BytescaleBackend::BytescaleBackend(c10::intrusive_ptr<c10d::Store> store, int ra
   }
 }
 
+BytescaleBackend::BytescaleBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                                   std::chrono::milliseconds timeout,
+                                   c10::intrusive_ptr<c10d::Backend> gloo,
+                                   std::vector<int> global_ranks, bool world)
+    : CollectiveBackend(std::make_shared<const RankMap>(iota(size), size, rank),
+                        world ? std::string("world group")
+                              : "static group of global ranks " +
+                                    RankMap(global_ranks, *std::max_element(global_ranks.begin(),
+                                                                            global_ranks.end()) + 1,
+                                            -1)
+                                        .describe() +
+                                    ", group ranks",
+                        timeout),
+      store_(std::move(store)),
+      gloo_(std::move(gloo)),
+      world_(world),
+      global_ranks_(std::move(global_ranks)) {
+  TORCH_CHECK(gloo_, "bytescale: the ", world ? "world" : "static group's",
+              " backend needs a Gloo backend for CPU tensors");
+  TORCH_CHECK(static_cast<int>(global_ranks_.size()) == size, "bytescale: a group of ", size,
+              " ranks was given ", global_ranks_.size(), " global ranks");
+  cpu_ = std::make_shared<GlooTransport>(gloo_, rank, size, timeout);
+}
+
+c10::intrusive_ptr<BytescaleBackend> BytescaleBackend::makeStatic(
+    c10::intrusive_ptr<c10d::Store> store, int rank, std::chrono::milliseconds timeout,
+    c10::intrusive_ptr<c10d::Backend> gloo, std::vector<int> global_ranks,
+    BytescaleBackend* parent) {
+  const int size = static_cast<int>(global_ranks.size());
+  TORCH_CHECK(rank >= 0 && rank < size, "bytescale: static group rank ", rank, " outside [0, ",
+              size, ")");
+  // A private constructor: c10::make_intrusive cannot reach it.
+  auto g = c10::intrusive_ptr<BytescaleBackend>::unsafe_steal_from_new(
+      new BytescaleBackend(store, rank, size, timeout, std::move(gloo), global_ranks, false));
+  if (parent != nullptr && parent->plugins_.count(c10::DeviceType::CUDA)) {
+    std::vector<int> in_parent;  // the members as group ranks of the parent
+    for (int r : global_ranks) {
+      auto it = std::find(parent->global_ranks_.begin(), parent->global_ranks_.end(), r);
+      TORCH_CHECK(it != parent->global_ranks_.end(), "bytescale: global rank ", r,
+                  " of the new group is not in the parent group");
+      in_parent.push_back(static_cast<int>(it - parent->global_ranks_.begin()));
+    }
+    auto cuda = parent->splitCuda(store, rank, in_parent, timeout, g->cpu_);
+    if (cuda.backend) g->plugins_[c10::DeviceType::CUDA] = std::move(cuda);
+  } else if (parent == nullptr && hasDeviceBackend(c10::DeviceType::CUDA) && at::hasCUDA()) {
+    g->plugins_[c10::DeviceType::CUDA] =
+        makeDeviceBackend(c10::DeviceType::CUDA, {g->store_, rank, size, timeout, g->cpu_});
+  }
+  return g;
+}
+
+DeviceBackend BytescaleBackend::splitCuda(const c10::intrusive_ptr<c10d::Store>& store,
+                                          int group_rank, const std::vector<int>& members,
+                                          std::chrono::milliseconds timeout,
+                                          std::shared_ptr<Transport> cpu) {
+  auto it = plugins_.find(c10::DeviceType::CUDA);
+  if (it == plugins_.end()) return {};
+  const int size = static_cast<int>(members.size());
+  if (!it->second.split) {  // a plug-in that cannot split: the group's own, created lazily
+    if (group_rank < 0) return {};
+    return makeDeviceBackend(c10::DeviceType::CUDA, {store, group_rank, size, timeout, cpu});
+  }
+  // Distinct groups of one split are disjoint: their first member (as a parent rank) tells them
+  // apart, and every member computes the same color.
+  const int color = group_rank < 0 ? -1 : *std::min_element(members.begin(), members.end());
+  return it->second.split({store, group_rank, size, timeout, cpu}, color, std::max(group_rank, 0));
+}
+
+void BytescaleBackend::performNoColorSplit(at::Device device) {
+  TORCH_CHECK(device.type() == c10::DeviceType::CUDA, "bytescale: perform_nocolor_split on ",
+              device, ": only CUDA communicators are split");
+  splitCuda(store_, -1, {}, timeout());
+}
+
+c10::intrusive_ptr<c10d::Backend::Options> BytescaleBackend::getBackendOptions() {
+  return c10::make_intrusive<Options>("bytescale", timeout());
+}
+
+c10::intrusive_ptr<c10d::Backend> BytescaleBackend::split(
+    const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+    const c10::intrusive_ptr<Options>& opts) {
+  std::lock_guard<std::mutex> g(split_mu_);
+  const std::string name = opts ? opts->group_name : std::string();
+  if (!name.empty() && name == last_split_name_) return last_split_;
+  const auto timeout = opts && opts->timeout > std::chrono::milliseconds(0) ? opts->timeout
+                                                                          : this->timeout();
+  auto me = std::find(ranks.begin(), ranks.end(), getRank());
+  c10::intrusive_ptr<c10d::Backend> out;
+  if (me == ranks.end()) {
+    splitCuda(store, -1, ranks, timeout);  // NCCL: every rank of the parent takes part
+  } else {
+    const int group_rank = static_cast<int>(me - ranks.begin());
+    std::vector<int> global;
+    for (int r : ranks) global.push_back(global_ranks_.at(r));
+    auto gopts = gloo_->getBackendOptions()->clone();
+    gopts->timeout = timeout;
+    gopts->group_name = name;
+    auto gloo = gloo_->split(store, ranks, gopts);
+    TORCH_CHECK(gloo, "bytescale: splitting the Gloo context failed for group ", name);
+    auto child = c10::intrusive_ptr<BytescaleBackend>::unsafe_steal_from_new(
+        new BytescaleBackend(store, group_rank, static_cast<int>(ranks.size()), timeout,
+                             std::move(gloo), global, false));
+    auto cuda = splitCuda(store, group_rank, ranks, timeout, child->cpu_);
+    if (cuda.backend) child->plugins_[c10::DeviceType::CUDA] = std::move(cuda);
+    out = child;
+  }
+  last_split_name_ = name;
+  last_split_ = out;
+  return out;
+}
+
 BytescaleBackend::~BytescaleBackend() {
   try {
     shutdown();
@@ -130,8 +238,14 @@ BytescaleBackend::~BytescaleBackend() {
 
 void BytescaleBackend::shutdown() {
   if (shut_down_.exchange(true)) return;
-  unregisterWorldTransport(c10::DeviceType::CPU, cpu_.get());
-  for (auto& [type, p] : plugins_) unregisterWorldTransport(type, p.transport.get());
+  if (world_) {
+    unregisterWorldTransport(c10::DeviceType::CPU, cpu_.get());
+    for (auto& [type, p] : plugins_) unregisterWorldTransport(type, p.transport.get());
+  }
+  {
+    std::lock_guard<std::mutex> g(split_mu_);
+    last_split_.reset();
+  }
   cpu_->shutdown();
   for (auto& [type, p] : plugins_) p.backend->shutdown();
 }

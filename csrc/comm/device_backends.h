@@ -24,19 +24,31 @@ struct DeviceBackendOptions {
   int rank = 0;                           // global rank
   int size = 1;                           // world size
   std::chrono::milliseconds timeout{0};   // the world group's timeout
-  std::shared_ptr<Transport> cpu;         // the world's CPU transport (staged transports use it)
+  std::shared_ptr<Transport> cpu;         // the group's CPU transport (staged transports use it)
 };
 
-// What a plug-in provides for the world group on its device.
+struct DeviceBackend;
+
+// Splits a plug-in's communicator (a static group's from its parent's; collective over every rank
+// of the parent group). `group`: the new group's store, this rank's place in it and its size;
+// color >= 0 for the members (the same value on all of them, distinct between the groups of one
+// split), < 0 for a rank outside every new group (returns an empty DeviceBackend); key orders the
+// members.
+using DeviceBackendSplit =
+    std::function<DeviceBackend(const DeviceBackendOptions& group, int color, int key)>;
+
+// What a plug-in provides for a group (the world, or a static group) on its device.
 struct DeviceBackend {
-  // Executor of the world's collectives on this device (BytescaleBackend hands it the validated
+  // Executor of the group's collectives on this device (BytescaleBackend hands it the validated
   // Collective); also a complete c10d backend of its own.
   c10::intrusive_ptr<CollectiveBackend> backend;
-  // The world transport of the device (dynamic groups, ring attention).
+  // The transport of the device (the world's: dynamic groups, ring attention).
   std::shared_ptr<Transport> transport;
   // Whether the device's world communicator exists (NCCL: created by device_id= or the first
   // world collective); null: nothing to create.
   std::function<bool()> connected;
+  // Splits this plug-in's communicator (null: the plug-in cannot split).
+  DeviceBackendSplit split;
 };
 
 using DeviceBackendFactory = std::function<DeviceBackend(const DeviceBackendOptions&)>;

@@ -1,5 +1,6 @@
 #include "comm/gloo_transport.h"
 
+#include <ATen/ThreadLocalState.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -324,7 +325,9 @@ std::unique_ptr<PendingExchange> GlooTransport::exchangeNow(const std::vector<P2
 void GlooTransport::completeWhenDone(const c10::intrusive_ptr<Work>& work,
                                      std::shared_ptr<PendingExchange> ex, const std::string& what,
                                      std::function<void()> on_done) {
-  bool queued = waiters_.push([work, ex, on_done = std::move(on_done)](bool) {
+  bool queued = waiters_.push([work, ex, on_done = std::move(on_done),
+                               caller = at::ThreadLocalState()](bool) {
+    at::ThreadLocalStateGuard tls(caller);  // the Work's callbacks run in the caller's modes
     std::exception_ptr error;
     try {
       ex->wait();
@@ -398,7 +401,14 @@ c10::intrusive_ptr<c10d::Work> GlooTransport::run(WorkInfo info, std::vector<at:
     return s ? s->describe(id) : std::string("the transport was shut down");
   });
   auto status = status_;
-  bool queued = worker_.push([work, id, what, status, body = std::move(body)](bool cancelled) {
+  // The caller's thread-local state (grad and inference mode, autocast, dispatch-key TLS, the
+  // profiler: at::ThreadLocalState), captured now and restored around the body and the Work's
+  // completion on the worker, as ProcessGroupGloo does on its threads: every collective the worker
+  // runs (bytescale's own algorithms on any group, coalesced ops, the consistency check and the
+  // Gloo collectives it issues, which capture it again) sees the modes of the thread that issued it.
+  bool queued = worker_.push([work, id, what, status, body = std::move(body),
+                              caller = at::ThreadLocalState()](bool cancelled) {
+    at::ThreadLocalStateGuard tls(caller);
     if (cancelled) {
       work->complete(std::make_exception_ptr(c10::DistBackendError(
           {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},

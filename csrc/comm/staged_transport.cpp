@@ -186,6 +186,8 @@ class StagedBackend final : public CollectiveBackend {
 }  // namespace
 
 DeviceBackend makeStagedBackend(c10::DeviceType device, const DeviceBackendOptions& o) {
+  TORCH_CHECK(o.cpu, "bytescale: the staged ", c10::DeviceTypeName(device),
+              " transport needs the group's CPU transport (BYTESCALE_CUDA_TRANSPORT=staged)");
   std::vector<int> ranks(o.size);
   for (int r = 0; r < o.size; ++r) ranks[r] = r;
   auto tr = std::make_shared<StagedTransport>(device, o.cpu);

@@ -91,8 +91,8 @@ class Transport {
   //   CUDA: the communication stream first waits on the caller's current stream, then body runs
   //         inline on the calling thread with the communication stream current (it only enqueues);
   //         Work::wait() makes the caller's current stream wait on the end event.
-  // Inside body, exchange(...)->wait() and ATen ops (reductions, copies) are ordered correctly on
-  // both transports.
+  // Inside body, exchange(...)->wait() and ATen ops are ordered correctly on both transports, and
+  // run in the caller's thread-local state (at::ThreadLocalState; CPU: restored on the worker).
   virtual c10::intrusive_ptr<c10d::Work> run(WorkInfo info, std::vector<at::Tensor> outputs,
                                              std::function<void()> body,
                                              std::vector<at::Tensor> inputs = {}) = 0;

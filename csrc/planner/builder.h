@@ -42,10 +42,11 @@ struct Context {
 
 struct Builder {
   const Context& ctx;
-  // rings: group grp_ranks[ring_grp[k] .. ring_grp[k+1]) (ascending = ring order)
+  // rings: group grp_ranks[ring_grp[k] .. ring_grp[k+1]) (ascending = ring order), sequences
+  // ring_seqs[ring_off[k] .. ring_off[k+1]) (one, except the static baseline's packed rings)
   std::vector<int64_t> ring_grp{0};
   std::vector<int32_t> grp_ranks;
-  std::vector<int64_t> ring_seq;
+  std::vector<int64_t> ring_off{0}, ring_seqs;
   std::vector<double> ring_cost, ring_ratio;
   // local micro-batches: sequences lmb_seqs[lmb_off[k] .. lmb_off[k+1])
   std::vector<int64_t> lmb_off{0}, lmb_seqs, lmb_tokens;
@@ -57,8 +58,13 @@ struct Builder {
   explicit Builder(const Context& c) : ctx(c) {}
 
   // Appends one ring micro-batch to every member (ring order = ascending rank) with the next
-  // global ring id and the given per-rank cost.
-  void appendRing(int64_t seq, std::vector<int> members, double ratio, double cost);
+  // global ring id and the given per-rank cost: the n sequences `seqs`, each sharded zig-zag over
+  // the members, in that order.
+  void appendRing(const int64_t* seqs, size_t n, std::vector<int> members, double ratio, double cost);
+  void appendRing(int64_t seq, std::vector<int> members, double ratio, double cost) {
+    appendRing(&seq, 1, std::move(members), ratio, cost);
+  }
+  int64_t numRings() const { return static_cast<int64_t>(ring_off.size()) - 1; }
   // As appendRing, with the cost of the members' slowest rank.
   void addRing(int64_t seq, std::vector<int> members, double ratio);
   // Appends one local micro-batch holding `seqs` to rank r.
@@ -77,11 +83,27 @@ struct Builder {
 // pow2) on the ranks holding the fewest tokens, then capacity-sized bins of short sequences.
 Builder tokenBalanced(const Context& ctx, Strategy strategy);
 
+// static (static_cp.cpp): the DP x CP baseline at CP degree `cp` (see planner.h).
+Builder staticDpCp(const Context& ctx, int cp);
+
 using LoadHeap = std::priority_queue<std::pair<double, int>, std::vector<std::pair<double, int>>,
                                      std::greater<std::pair<double, int>>>;
 
 // The sync-aware balanced strategy (balanced.cpp).
 Plan planBalanced(const Context& ctx, const BoundParts& bound);
+
+// Small instances (balanced.cpp): when `incumbent` is more than kRefineTolerance above the bound
+// and the instance is small (sequences x ranks <= kRefineCells), searches list schedules
+// (listsched.h) from it on a fixed budget; returns the shorter of the two.
+constexpr double kRefineTolerance = 0.005;
+constexpr double kRefineCells = 65536;
+constexpr size_t kRefineMixes = 1024;
+constexpr int64_t kRefinePlacements = 20000;
+constexpr int64_t kRefineMaxEvals = 4000;
+constexpr int kRefineSearchSequences = 8;  // the branch and bound's instances: few sequences
+constexpr int kRefineSearchRanks = 16;     // and ranks,
+constexpr int64_t kRefineNodes = 5000;    // its node budget
+Plan refineSmall(const Context& ctx, const BoundParts& bound, Plan incumbent);
 
 }  // namespace detail
 }  // namespace planner

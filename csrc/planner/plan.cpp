@@ -16,8 +16,9 @@ Strategy parseStrategy(const std::string& name) {
   if (name == "naive") return Strategy::kNaive;
   if (name == "balanced") return Strategy::kBalanced;
   if (name == "pow2") return Strategy::kPow2;
+  if (name == "static") return Strategy::kStatic;
   throw std::invalid_argument("planner: unknown strategy '" + name +
-                              "' (expected 'naive', 'balanced' or 'pow2')");
+                              "' (expected 'naive', 'balanced', 'pow2' or 'static')");
 }
 
 std::string strategyName(Strategy s) {
@@ -25,6 +26,7 @@ std::string strategyName(Strategy s) {
     case Strategy::kNaive: return "naive";
     case Strategy::kBalanced: return "balanced";
     case Strategy::kPow2: return "pow2";
+    case Strategy::kStatic: return "static";
   }
   return "?";
 }
@@ -81,8 +83,13 @@ void Plan::checkStructure() const {
   for (int64_t m = 0; m < M; ++m) {
     if (mb_ring[m] < -1 || mb_ring[m] >= R)
       bad("micro-batch " + num(m) + " has ring id " + num(mb_ring[m]) + " outside [-1, " + num(R) + ")");
-    if (mb_ring[m] >= 0 && mb_seg[m + 1] - mb_seg[m] != 1)
-      bad("ring micro-batch " + num(m) + " has " + num(mb_seg[m + 1] - mb_seg[m]) + " segments (needs 1)");
+    if (mb_ring[m] >= 0) {
+      if (mb_seg[m + 1] == mb_seg[m]) bad("ring micro-batch " + num(m) + " has no segment");
+      // every segment of a ring micro-batch is sharded over the same ring at the same position
+      for (int64_t k = mb_seg[m] + 1; k < mb_seg[m + 1]; ++k)
+        if (seg_ring_size[k] != seg_ring_size[mb_seg[m]] || seg_ring_pos[k] != seg_ring_pos[mb_seg[m]])
+          bad("ring micro-batch " + num(m) + " has segments at different ring sizes or positions");
+    }
   }
 }
 
@@ -99,7 +106,7 @@ void Plan::verify(const std::vector<int64_t>& lengths, const PlanOptions& opt) c
   const int64_t n = static_cast<int64_t>(lengths.size());
   const int64_t R = numRings();
   std::vector<int64_t> local_count(n, 0), ring_of(n, 0), tokens_seen(n, 0);
-  std::vector<int64_t> ring_seq(R, -1);
+  std::vector<int64_t> ring_mb(R, -1);  // the first micro-batch seen of each ring
   std::vector<std::vector<char>> ring_pos_seen(R);
   const int l = opt.cost.layers;
   for (int r = 0; r < W; ++r) {
@@ -121,27 +128,37 @@ void Plan::verify(const std::vector<int64_t>& lengths, const PlanOptions& opt) c
         last_ring = id;
         const int64_t g0 = ring_grp[id];
         const int d = static_cast<int>(ring_grp[id + 1] - g0);
-        const int64_t seq = seg_seq[s0];
         const int pos = seg_ring_pos[s0];
-        if (seg_ring_size[s0] != d) fail("ring size != group size");
         if (pos >= d || grp_ranks[g0 + pos] != r) fail("rank not at its ring position");
-        if (seg_tokens[s0] != zigzag::local_tokens(lengths[seq], d, pos)) fail("zig-zag tokens");
-        // memory after offloading (Eq. 3): (2 + (1-r)(l-2)) Act(s) <= d * l * Act(cap_r)
-        const double act_s = opt.cost.act(static_cast<double>(lengths[seq]));
+        // the ring's sequences (one, or the static baseline's pack), each sharded zig-zag
+        int64_t ring_len = 0;
+        for (int64_t k = s0; k < s1; ++k) {
+          const int64_t seq = seg_seq[k];
+          if (seg_ring_size[k] != d) fail("ring size != group size");
+          if (seg_ring_pos[k] != pos) fail("segments of one ring micro-batch at different positions");
+          if (seg_tokens[k] != zigzag::local_tokens(lengths[seq], d, pos)) fail("zig-zag tokens");
+          ring_len += lengths[seq];
+          tokens_seen[seq] += seg_tokens[k];
+        }
+        // memory after offloading (Eq. 3): (2 + (1-r)(l-2)) Act(s) <= d * l * Act(cap_r), s the
+        // tokens of the ring micro-batch (all its sequences)
+        const double act_s = opt.cost.act(static_cast<double>(ring_len));
         const double act_c = opt.cost.act(static_cast<double>(rankCapacity(opt, r)));
         const double need = l > 2 ? (2.0 + (1.0 - mb_offload[m]) * (l - 2)) * act_s : l * act_s;
         if (need > d * l * act_c * (1 + 1e-9) + 1e-6)
-          fail("ring micro-batch of sequence " + std::to_string(seq) + " exceeds rank " +
+          fail("ring micro-batch of sequence " + std::to_string(seg_seq[s0]) + " exceeds rank " +
                std::to_string(r) + "'s capacity");
-        if (ring_seq[id] < 0) {
-          ring_seq[id] = seq;
+        if (ring_mb[id] < 0) {
+          ring_mb[id] = m;
           ring_pos_seen[id].assign(d, 0);
-          ++ring_of[seq];
-        } else if (ring_seq[id] != seq) {
-          fail("members of ring " + std::to_string(id) + " disagree on its sequence");
+          for (int64_t k = s0; k < s1; ++k) ++ring_of[seg_seq[k]];
+        } else {
+          const int64_t f0 = mb_seg[ring_mb[id]], f1 = mb_seg[ring_mb[id] + 1];
+          bool same = f1 - f0 == s1 - s0;
+          for (int64_t k = 0; same && k < s1 - s0; ++k) same = seg_seq[f0 + k] == seg_seq[s0 + k];
+          if (!same) fail("members of ring " + std::to_string(id) + " disagree on its sequences");
         }
         if (ring_pos_seen[id][pos]++) fail("ring position held twice");
-        tokens_seen[seq] += seg_tokens[s0];
       } else {
         if (mb_tokens[m] > rankCapacity(opt, r))
           fail("local micro-batch over rank " + std::to_string(r) + "'s capacity");
@@ -156,7 +173,7 @@ void Plan::verify(const std::vector<int64_t>& lengths, const PlanOptions& opt) c
     if (std::abs(cost_sum - rank_cost[r]) > 1e-9 * std::max(1.0, cost_sum)) fail("rank cost");
   }
   for (int64_t id = 0; id < R; ++id) {
-    if (ring_seq[id] < 0) fail("ring " + std::to_string(id) + " has no micro-batch");
+    if (ring_mb[id] < 0) fail("ring " + std::to_string(id) + " has no micro-batch");
     for (char c : ring_pos_seen[id])
       if (!c) fail("ring " + std::to_string(id) + " misses a position");
   }

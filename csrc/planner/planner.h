@@ -3,7 +3,8 @@
 // Output, per rank, an ordered list of micro-batches. A micro-batch is either
 //   * a ring micro-batch: ONE sequence sharded over a dynamic group of D ranks (any integer D),
 //     this rank holding zig-zag chunks (pos, 2D-1-pos) (csrc/attention/zigzag.h), with the
-//     offload ratio its activations need; or
+//     offload ratio its activations need (the static baseline packs SEVERAL sequences into one
+//     ring micro-batch, each sharded the same way over the same group); or
 //   * a local micro-batch: whole sequences packed up to the rank's token capacity.
 // A rank's list is its execution order (the runtime runs it as is). Local micro-batches may sit
 // between ring ones; every member lists a group's ring micro-batches in increasing global ring id
@@ -20,8 +21,17 @@
 //              rings first, locals after.
 //   balanced - ours, sync-aware (balanced.cpp): places rings on a timeline of when each rank is
 //              free, with ring sizes (any integer) chosen by cost so that members arrive together,
-//              then fits local sequences into the waits and tails that remain, longest first.
+//              then fits local sequences into the waits and tails that remain, longest first;
+//              keeps the pow2 plan when that replays shorter (Plan::strategy is then "pow2"); on
+//              small instances, then searches list schedules (listsched.h) on a fixed budget.
 //   pow2     - a Megatron-style dynamic CP baseline: like naive but D rounded up to a power of 2.
+//   static   - the static DP x CP baseline (Megatron-LM / TransformerEngine context parallelism,
+//              static_cp.cpp): one CP degree for the whole step (PlanOptions::static_cp, or the
+//              smallest power of two whose capacity holds the longest sequence), world / CP
+//              replicas of consecutive ranks, EVERY sequence sharded over its replica's CP group.
+//              Sequences are packed first-fit decreasing into micro-batches of CP x capacity
+//              tokens (the smallest rank capacity), dealt to replicas round-robin in the order the
+//              bins were opened. At CP = 1 the micro-batches are local. No offloading.
 #pragma once
 
 #include <cstdint>
@@ -33,7 +43,7 @@
 namespace bytescale {
 namespace planner {
 
-enum class Strategy { kNaive = 0, kBalanced = 1, kPow2 = 2 };
+enum class Strategy { kNaive = 0, kBalanced = 1, kPow2 = 2, kStatic = 3 };
 Strategy parseStrategy(const std::string& name);
 std::string strategyName(Strategy s);
 
@@ -45,12 +55,15 @@ struct PlanOptions {
   CostModel cost;
   bool offload = false;
   Strategy strategy = Strategy::kBalanced;
+  // strategy static only: the CP degree (must divide world_size; 0: staticCpDegree of the step's
+  // longest sequence at the smallest rank capacity).
+  int static_cp = 0;
 };
 
 // Flat (structure-of-arrays) plan, cheap to serialise and to expose to Python without copies.
 struct Plan {
   int world_size = 0;
-  std::string strategy;
+  std::string strategy;  // the strategy that built this plan ("pow2" when balanced kept pow2's)
   // rank r's micro-batches are [rank_mb[r], rank_mb[r+1]), in execution order
   std::vector<int64_t> rank_mb;
   // micro-batch m: segments [mb_seg[m], mb_seg[m+1])
@@ -102,6 +115,10 @@ struct Plan {
 // Throws std::invalid_argument on bad input (naming the value) and when a sequence cannot be
 // placed even using every rank.
 Plan makePlan(const std::vector<int64_t>& lengths, const PlanOptions& opt);
+
+// The static baseline's CP degree: the smallest power of two `cp` with cp * capacity >= longest
+// (1 for an empty batch). Throws std::invalid_argument naming the values when cp > world_size.
+int staticCpDegree(int64_t longest, int64_t capacity, int world_size);
 
 // Per-rank token capacity after the memory multiplier (at least 1).
 int64_t rankCapacity(const PlanOptions& opt, int rank);

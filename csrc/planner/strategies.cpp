@@ -40,6 +40,26 @@ void validateInput(const std::vector<int64_t>& lengths, const PlanOptions& opt) 
   check_vec(opt.speed, "speed");
   check_vec(opt.memory, "memory");
   opt.cost.validate();
+  if (opt.static_cp < 0)
+    throw std::invalid_argument("planner: static_cp must be >= 0 (0: sized for the longest sequence), got " +
+                                std::to_string(opt.static_cp));
+  if (opt.strategy != Strategy::kStatic && opt.static_cp != 0)
+    throw std::invalid_argument("planner: static_cp = " + std::to_string(opt.static_cp) +
+                                " applies to strategy 'static' only (strategy is '" +
+                                strategyName(opt.strategy) + "')");
+  if (opt.strategy == Strategy::kStatic) {
+    if (opt.offload)
+      throw std::invalid_argument(
+          "planner: strategy 'static' (the DP x CP baseline) does not offload activations; "
+          "turn offloading off or choose an HDP strategy");
+    if (opt.static_cp > opt.world_size)
+      throw std::invalid_argument("planner: static_cp = " + std::to_string(opt.static_cp) +
+                                  " is larger than world_size " + std::to_string(opt.world_size));
+    if (opt.static_cp > 0 && opt.world_size % opt.static_cp != 0)
+      throw std::invalid_argument("planner: static_cp = " + std::to_string(opt.static_cp) +
+                                  " does not divide world_size " + std::to_string(opt.world_size) +
+                                  " (the DP x CP baseline needs world_size = DP x CP)");
+  }
   for (size_t i = 0; i < lengths.size(); ++i)
     if (lengths[i] <= 0)
       throw std::invalid_argument("planner: sequence " + std::to_string(i) + " has length " +
@@ -172,12 +192,14 @@ OffloadChoice Context::memMin(int64_t s) const {
   return {ranksWithoutOffload(opt.cost, s, cap_min), 0.0};
 }
 
-void Builder::appendRing(int64_t seq, std::vector<int> members, double ratio, double cost) {
+void Builder::appendRing(const int64_t* seqs, size_t n, std::vector<int> members, double ratio,
+                         double cost) {
   std::sort(members.begin(), members.end());
-  const int64_t ring = static_cast<int64_t>(ring_seq.size());
+  const int64_t ring = numRings();
   grp_ranks.insert(grp_ranks.end(), members.begin(), members.end());
   ring_grp.push_back(static_cast<int64_t>(grp_ranks.size()));
-  ring_seq.push_back(seq);
+  ring_seqs.insert(ring_seqs.end(), seqs, seqs + n);
+  ring_off.push_back(static_cast<int64_t>(ring_seqs.size()));
   ring_cost.push_back(cost);
   ring_ratio.push_back(ratio);
   for (size_t pos = 0; pos < members.size(); ++pos) {
@@ -214,7 +236,7 @@ void Builder::addLocal(int r, const int64_t* seqs, size_t n) {
 
 double Builder::ringsFirstStep() const {
   std::vector<double> free(ctx.W, 0.0);
-  for (size_t k = 0; k < ring_seq.size(); ++k) {
+  for (int64_t k = 0; k < numRings(); ++k) {
     double start = 0;
     for (int64_t g = ring_grp[k]; g < ring_grp[k + 1]; ++g) start = std::max(start, free[grp_ranks[g]]);
     for (int64_t g = ring_grp[k]; g < ring_grp[k + 1]; ++g) free[grp_ranks[g]] = start + ring_cost[k];
@@ -278,7 +300,9 @@ Plan Builder::finish(const BoundParts& bound) {
   p.mb_tokens.resize(I);
   p.mb_ring.resize(I);
   p.rank_cost.assign(W, 0.0);
-  const size_t S = grp_ranks.size() + lmb_seqs.size();
+  size_t S = lmb_seqs.size();
+  for (int64_t k = 0; k < numRings(); ++k)
+    S += static_cast<size_t>((ring_grp[k + 1] - ring_grp[k]) * (ring_off[k + 1] - ring_off[k]));
   p.seg_seq.reserve(S);
   p.seg_ring_size.reserve(S);
   p.seg_ring_pos.reserve(S);
@@ -288,13 +312,17 @@ Plan Builder::finish(const BoundParts& bound) {
       const size_t k = at[m];
       const int64_t it = item[k];
       if (it >= 0) {
-        const int64_t seq = ring_seq[it];
         const int d = static_cast<int>(ring_grp[it + 1] - ring_grp[it]);
-        const int64_t tok = zigzag::local_tokens(ctx.len[seq], d, item_pos[k]);
-        p.seg_seq.push_back(seq);
-        p.seg_ring_size.push_back(d);
-        p.seg_ring_pos.push_back(item_pos[k]);
-        p.seg_tokens.push_back(tok);
+        int64_t tok = 0;
+        for (int64_t j = ring_off[it]; j < ring_off[it + 1]; ++j) {
+          const int64_t seq = ring_seqs[j];
+          const int64_t t = zigzag::local_tokens(ctx.len[seq], d, item_pos[k]);
+          p.seg_seq.push_back(seq);
+          p.seg_ring_size.push_back(d);
+          p.seg_ring_pos.push_back(item_pos[k]);
+          p.seg_tokens.push_back(t);
+          tok += t;
+        }
         p.mb_offload[m] = ring_ratio[it];
         p.mb_cost[m] = ring_cost[it];
         p.mb_tokens[m] = tok;
@@ -350,19 +378,31 @@ Plan makePlan(const std::vector<int64_t>& lengths, const PlanOptions& opt) {
   detail::validateInput(lengths, opt);
   detail::Context ctx(lengths, opt);
   const BoundParts bound = lowerBound(lengths, opt);
+  if (opt.strategy == Strategy::kStatic) {
+    int64_t longest = 0;
+    for (int64_t s : lengths) longest = std::max(longest, s);
+    const int cp = opt.static_cp > 0 ? opt.static_cp
+                                     : staticCpDegree(longest, ctx.cap_min, opt.world_size);
+    return detail::staticDpCp(ctx, cp).finish(bound);
+  }
   if (opt.strategy != Strategy::kBalanced)
     return detail::tokenBalanced(ctx, opt.strategy).finish(bound);
   Plan p = detail::planBalanced(ctx, bound);
-  // Safety net: the pow2 plan is a candidate too (kept when its replayed step is shorter), so
-  // balanced is never worse than pow2. Skipped when balanced already meets the lower bound.
+  // Safety net: the pow2 plan is a candidate too (kept when its replayed step is shorter, and
+  // then named "pow2"), so balanced is never worse than pow2. Skipped when balanced already meets
+  // the lower bound.
   if (p.makespan > bound.value() * (1 + 1e-9) && ctx.W > 1) {
     detail::Builder q = detail::tokenBalanced(ctx, Strategy::kPow2);
     if (q.ringsFirstStep() < p.makespan * (1 - 1e-12)) {
       Plan alt = q.finish(bound);
-      if (alt.makespan < p.makespan) return alt;
+      if (alt.makespan < p.makespan) {
+        alt.strategy = strategyName(Strategy::kPow2);
+        p = std::move(alt);
+      }
     }
   }
-  return p;
+  // Small instances: a search over list schedules from the better of the two.
+  return detail::refineSmall(ctx, bound, std::move(p));
 }
 
 }  // namespace planner

@@ -144,3 +144,25 @@ def test_cost_model_profile_loading(tmp_path):
     assert cm.layers == 12 and cm.bw_h2d == 1e10
     with pytest.raises(ValueError, match="a2"):
         bytescale.planner.load_cost_model({"a2": 0})
+
+
+def test_reproducer_of_issue_27_reaches_the_exhaustive_optimum():
+    """8 ranks, capacity 4096, lengths [1527, 207]: the 1527-token sequence on 7 ranks beside the
+    207-token one on the eighth (0.0402 s), not on all 8 with the short one after it (0.0619 s)."""
+    lengths = np.array([1527, 207])
+    p = plan(lengths, world_size=8, capacity=4096, verify=True)
+    assert p.strategy == "balanced"
+    assert p.ring_sizes() == {0: 7}
+    opts = _C.planner.PlanOptions()
+    opts.world_size, opts.capacity = 8, 4096
+    ref, optimal, nodes = _C.planner.reference_plan(lengths, opts, exact=True, budget=10**6)
+    assert optimal and ref.strategy == "exact" and nodes > 0
+    assert p.makespan <= ref.makespan * (1 + 1e-12)
+    assert ref.makespan >= p.lower_bound * (1 - 1e-12)
+    # the local search never ends above the plan it starts from
+    srch, optimal, evals = _C.planner.reference_plan(lengths, opts, budget=500, start=p.raw)
+    assert not optimal and evals >= 500 and srch.makespan <= p.makespan * (1 + 1e-12)
+    with pytest.raises(ValueError, match="budget"):
+        _C.planner.reference_plan(lengths, opts, budget=0)
+    with pytest.raises(ValueError, match="at most 10 sequences"):
+        _C.planner.reference_plan(np.arange(1, 12), opts, exact=True)

@@ -82,3 +82,40 @@ def test_module_entry_point(tmp_path):
                         "--json", str(out)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert set(json.loads(out.read_text())["strategies"]) == {"static", "hdp-full"}
+
+
+def test_lengths_from_a_token_store(tmp_path):
+    """--lengths DIR: a token store's documents are the global batch (empty ones left out); what
+    the demo (scripts/run_demo.sh) asks of its corpus."""
+    import numpy as np
+
+    from bytescale.data.token_store import TokenStoreWriter
+
+    d = tmp_path / "store"
+    d.mkdir()
+    lens = [300_000, 0, 5, 70_000, 1]
+    with TokenStoreWriter(d / "data", np.uint16) as w:
+        for n in lens:
+            w.add(np.arange(n) % 256)
+    assert read_lengths(str(d)).tolist() == [300_000, 5, 70_000, 1]
+    assert read_lengths(str(d / "data.idx")).tolist() == [300_000, 5, 70_000, 1]
+    out = tmp_path / "o.json"
+    assert main(["--lengths", str(d), "--gpus", "16", "--gpus-per-node", "8", "--context", "256K",
+                 "--capacity", "32K", "--strategy", "static,hdp", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    # 300,000 tokens at a 256K context: two pieces (262,144 + 37,856)
+    assert doc["config"]["sequences"] == 5 and doc["config"]["tokens"] == 370_006
+    st, hdp = doc["strategies"]["static"], doc["strategies"]["hdp"]
+    # static shards everything over CP 8; HDP (memory-driven) keeps the two that fit 32K local
+    assert st["cp"] == 8 and st["local_sequences"] == 0 and st["local_tokens"] == 0
+    assert hdp["local_sequences"] == 2 and hdp["local_tokens"] == 6
+
+
+def test_lengths_from_a_broken_token_store_names_it(tmp_path, capsys):
+    d = tmp_path / "store"
+    d.mkdir()
+    (d / "data.idx").write_bytes(b"not an index")
+    (d / "data.bin").write_bytes(b"")
+    assert main(["--lengths", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert str(d) in err and "truncated" in err, err

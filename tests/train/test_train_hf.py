@@ -71,8 +71,8 @@ def _model(family):
                                                          dtype=torch.float64, **kw)
 
 
-def _loader(world, rank=0, **kw):
-    return HDPLoader(SyntheticTokens(LENGTHS, vocab_size=V, seed=2), PlannerConfig(CAPACITY),
+def _loader(world, rank=0, capacity=CAPACITY, **kw):
+    return HDPLoader(SyntheticTokens(LENGTHS, vocab_size=V, seed=2), PlannerConfig(capacity),
                      LoaderConfig(TOKENS_PER_BATCH, seed=1, max_steps=STEPS, **kw), rank=rank, world_size=world)
 
 
@@ -151,3 +151,47 @@ def test_hf_with_activation_checkpointing_in_cuda_order(monkeypatch):
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7, msg=lambda m: f"step {s}: {m}")
     assert any(st[1] for r in per_rank for st in r["llama"]), "no ring in the plans"
 
+
+def _hdp_tp(rank, world, families):
+    """HDP 2 x TP 2: each HF model under its own transformers TP plan inside the unit."""
+    import bytescale
+    from bytescale import HybridDataParallel
+    from bytescale.models.parallel import hf_tensor_parallel
+
+    mesh = bytescale.init_mesh(tp=2)
+    out = {}
+    for family in families:
+        net = hf_tensor_parallel(_model(family), mesh["tp"])
+        model = HybridDataParallel(net, process_group=mesh.group("hdp"), config=RuntimeConfig(bucket_cap_mb=0.01))
+        opt = torch.optim.SGD(model.parameters(), lr=0.3)
+        steps = []
+        for step in _loader(world, rank, capacity=2 * CAPACITY):  # plans mesh.units: 2 units of 2 TP ranks
+            mbs = step.micro_batches
+            for i, mb in enumerate(mbs):
+                with model.micro_batch(mb, last=i == len(mbs) - 1):
+                    logits = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None]).logits[0]
+                    token_level_loss(logits, mb.labels, step.global_loss_tokens).backward()
+            model.finish_step()
+            steps.append(([p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+                           for p in net.parameters()],
+                          sorted(len(m.plan.ring) for m in mbs if m.plan.is_ring),
+                          sum(hasattr(p, "full_tensor") for p in net.parameters())))
+            opt.step()
+            opt.zero_grad()
+        out[family] = steps
+    return out
+
+
+@pytest.mark.timeout(1200)
+def test_hf_models_under_hdp2_tp2_with_their_tp_plans_match_single_process():
+    families = ("llama", "qwen2")
+    per_rank = run_distributed(_hdp_tp, 4, families, timeout=400)
+    for family in families:
+        ref = _reference(family, 4)  # the global batches do not depend on the world size
+        for s, want in enumerate(ref):
+            for r in per_rank:
+                grads, _, sharded = r[family][s]
+                assert sharded >= 7 * SIZES["num_hidden_layers"], f"{family}: the TP plan sharded {sharded} parameters"
+                for g, w in zip(grads, want):
+                    torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7, msg=lambda m: f"{family} step {s}: {m}")
+    assert {n for r in per_rank for st in r["llama"] for n in st[1]} >= {2}

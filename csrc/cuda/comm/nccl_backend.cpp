@@ -18,21 +18,28 @@ std::vector<int> iota(int n) {
   return v;
 }
 
+comm::DeviceBackend asPlugin(const c10::intrusive_ptr<NcclBackend>& backend) {
+  comm::DeviceBackend plugin;
+  plugin.transport = backend->transport();
+  plugin.backend = backend;
+  NcclBackend* raw = backend.get();  // the plug-in struct owns `backend`, so it outlives the call
+  plugin.split = [raw](const comm::DeviceBackendOptions& g, int color, int key) {
+    return raw->split(g, color, key);
+  };
+  std::weak_ptr<NcclTransport> weak = backend->transport();
+  plugin.connected = [weak] {
+    auto t = weak.lock();
+    return t && t->comm().connected();
+  };
+  return plugin;
+}
+
 // The plug-in registers itself when the extension is loaded.
 const bool kRegistered = [] {
   comm::registerDeviceBackend(c10::DeviceType::CUDA, [](const comm::DeviceBackendOptions& o) {
     // BYTESCALE_CUDA_TRANSPORT=staged: several processes on one GPU (comm/staged_transport.h).
     if (env::knobs().cuda_transport == "staged") return comm::makeStagedBackend(c10::DeviceType::CUDA, o);
-    auto backend = c10::make_intrusive<NcclBackend>(o.store, o.rank, o.size, o.timeout);
-    comm::DeviceBackend plugin;
-    plugin.transport = backend->transport();
-    plugin.backend = backend;
-    std::weak_ptr<NcclTransport> weak = backend->transport();
-    plugin.connected = [weak] {
-      auto t = weak.lock();
-      return t && t->comm().connected();
-    };
-    return plugin;
+    return asPlugin(c10::make_intrusive<NcclBackend>(o.store, o.rank, o.size, o.timeout));
   });
   return true;
 }();
@@ -40,11 +47,26 @@ const bool kRegistered = [] {
 }  // namespace
 
 NcclBackend::NcclBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-                         std::chrono::milliseconds timeout)
+                         std::chrono::milliseconds timeout, std::shared_ptr<NcclComm> comm)
     : comm::CollectiveBackend(std::make_shared<const comm::RankMap>(iota(size), size, rank),
                               "world group", timeout),
-      transport_(std::make_shared<NcclTransport>(std::move(store), rank, size, timeout)) {
+      transport_(std::make_shared<NcclTransport>(std::move(store), rank, size, timeout,
+                                                 std::move(comm))) {
   (void)kRegistered;
+}
+
+comm::DeviceBackend NcclBackend::split(const comm::DeviceBackendOptions& g, int color, int key) {
+  auto& parent = transport_->comm();
+  if (!parent.connected()) {
+    // No communicator to split (the world was not bound to a device): the group's own, created
+    // by its members on its first collective; a non-member has nothing to do.
+    if (color < 0) return {};
+    return asPlugin(c10::make_intrusive<NcclBackend>(g.store, g.rank, g.size, g.timeout));
+  }
+  auto child = parent.split(color, key, g.store, g.rank, g.size, g.timeout);
+  if (!child) return {};
+  return asPlugin(c10::make_intrusive<NcclBackend>(g.store, g.rank, g.size, g.timeout,
+                                                   std::move(child)));
 }
 
 NcclBackend::~NcclBackend() {

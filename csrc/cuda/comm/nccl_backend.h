@@ -13,6 +13,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "comm/device_backends.h"
 #include "comm/front_end.h"
 #include "cuda/comm/nccl_transport.h"
 
@@ -21,8 +22,9 @@ namespace cuda {
 
 class NcclBackend final : public comm::CollectiveBackend {
  public:
+  // comm: an existing (split) communicator; default: one created on the first collective.
   NcclBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-              std::chrono::milliseconds timeout);
+              std::chrono::milliseconds timeout, std::shared_ptr<NcclComm> comm = nullptr);
   ~NcclBackend() override;
 
   const std::string getBackendName() const override { return "bytescale-nccl"; }
@@ -36,6 +38,11 @@ class NcclBackend final : public comm::CollectiveBackend {
   void abort() override;
 
   const std::shared_ptr<NcclTransport>& transport() const { return transport_; }
+
+  // The plug-in of a static group split from this backend's communicator (comm/device_backends.h
+  // DeviceBackendSplit); a parent not connected yet gives the group a communicator of its own,
+  // created on its first collective.
+  comm::DeviceBackend split(const comm::DeviceBackendOptions& group, int color, int key);
 
  private:
   std::shared_ptr<NcclTransport> transport_;

@@ -58,11 +58,12 @@ std::vector<int> peersOf(const std::vector<comm::P2POp>& ops) {
 }  // namespace
 
 NcclTransport::NcclTransport(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-                             std::chrono::milliseconds timeout)
+                             std::chrono::milliseconds timeout, std::shared_ptr<NcclComm> comm)
     : rank_(rank),
       size_(size),
       timeout_(timeout),
-      comm_(std::make_shared<NcclComm>(std::move(store), rank, size, timeout)),
+      comm_(comm ? std::move(comm)
+                 : std::make_shared<NcclComm>(std::move(store), rank, size, timeout)),
       watchdog_(comm_, rank) {}
 
 NcclTransport::~NcclTransport() { shutdown(); }

@@ -19,8 +19,9 @@ namespace cuda {
 
 class NcclTransport final : public comm::Transport {
  public:
+  // comm: an existing communicator (a split one); default: one created on connect.
   NcclTransport(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-                std::chrono::milliseconds timeout);
+                std::chrono::milliseconds timeout, std::shared_ptr<NcclComm> comm = nullptr);
   ~NcclTransport() override;
 
   c10::DeviceType deviceType() const override { return c10::DeviceType::CUDA; }

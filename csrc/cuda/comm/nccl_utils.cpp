@@ -245,6 +245,26 @@ void NcclComm::connect(c10::DeviceIndex dev) {
   stream_ = c10::cuda::getStreamFromPool(true, dev);
 }
 
+std::shared_ptr<NcclComm> NcclComm::split(int color, int key,
+                                          c10::intrusive_ptr<c10d::Store> store, int rank,
+                                          int size, std::chrono::milliseconds timeout) {
+  ncclComm_t parent = require("communicator split");
+  const c10::Device dev = device();
+  c10::cuda::CUDAGuard guard(dev);
+  ncclComm_t child = nullptr;
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  BYTESCALE_NCCL_CHECK(
+      ncclCommSplit(parent, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config),
+      "communicator split");
+  if (color < 0 || child == nullptr) return nullptr;
+  auto out = std::make_shared<NcclComm>(std::move(store), rank, size, timeout);
+  std::lock_guard<std::mutex> g(out->mu_);
+  out->comm_ = child;
+  out->device_ = dev;
+  out->stream_ = c10::cuda::getStreamFromPool(true, dev.index());
+  return out;
+}
+
 bool NcclComm::connected() const {
   std::lock_guard<std::mutex> g(mu_);
   return comm_ != nullptr;

@@ -97,6 +97,11 @@ class NcclComm {
   // the group's timeout (it waits for every rank): past it the call raises naming the ranks'
   // rendezvous, instead of hanging.
   void connect(c10::DeviceIndex device);
+  // ncclCommSplit of this (connected) communicator: collective over all its ranks. color >= 0:
+  // the member's new communicator (rank order by key) as an NcclComm of `store`/`rank`/`size`;
+  // color < 0: NCCL's no-color part, returns nullptr.
+  std::shared_ptr<NcclComm> split(int color, int key, c10::intrusive_ptr<c10d::Store> store,
+                                  int rank, int size, std::chrono::milliseconds timeout);
   bool connected() const;
   // The communicator for an op; raises naming `what` if it does not exist yet or was aborted.
   ncclComm_t require(const std::string& what);

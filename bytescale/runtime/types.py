@@ -1,4 +1,9 @@
-"""Types of the data path: what the loader hands the training loop each step."""
+"""The step's types: what the loader hands the step executor each step.
+
+A :class:`Step` is one global batch as this rank sees it: its micro-batches (tensors, the plan
+they were laid out by, the attention layout) in the plan's order, the global batch itself and the
+step's plan.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -44,7 +49,9 @@ class Step:
     """One training step on this rank: its micro-batches in execution order.
 
     ``global_loss_tokens`` is the number of tokens with a label in the WHOLE global batch (the
-    token-level loss's denominator, the same on every rank).
+    token-level loss's denominator, the same on every rank). ``batch``: the global batch as the
+    data source gave it (:class:`bytescale.data.GlobalBatch`: sample ids, lengths, sources; the same
+    on every rank); ``plan``: the step's plan (over HDP units, with its unit map).
     """
 
     index: int
@@ -54,3 +61,9 @@ class Step:
     micro_batches: Tuple[MicroBatch, ...]
     plan: Any = None
     info: Dict[str, Any] = field(default_factory=dict)
+    batch: Any = None
+
+    @property
+    def lengths(self) -> Tuple[int, ...]:
+        """The global batch's document lengths, in batch order."""
+        return tuple(int(n) for n in self.batch.lengths) if self.batch is not None else ()

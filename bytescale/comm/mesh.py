@@ -1,0 +1,208 @@
+"""The job's device mesh: ``pp x hdp x tp``, tensor parallelism innermost.
+
+    mesh = bytescale.init_mesh(tp=2)          # after dist.init_process_group("bytescale")
+    mesh["tp"], mesh["hdp"]                   # torch DeviceMeshes of this rank's groups
+    mesh.units                                # HDP unit -> global ranks (what the planner plans)
+
+ByteScale's HDP replaces only data and context parallelism; tensor and pipeline parallelism stay,
+sized by the model. Global rank ``g = (p * hdp + h) * tp + t``: the ranks of a TP group are
+consecutive (on one node under torchrun), the HDP dimension of a TP index ``t`` strides by ``tp``,
+and the pipeline stages are outermost. The TP (and PP) groups are static groups
+(:mod:`bytescale.comm`: communicators of their own, made once); the rings the planner forms each
+step over HDP units stay dynamic groups.
+
+A torch ``DeviceMesh`` the user built on the bytescale backend works too
+(:func:`mesh_from_device_mesh`): its dimensions named among ``pp``, ``hdp`` and ``tp`` (any order).
+"""
+from __future__ import annotations
+
+import socket
+import warnings
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..planner.units import UnitMap
+
+__all__ = ["MESH_DIMS", "Mesh", "init_mesh", "mesh_from_device_mesh", "current_mesh", "set_current_mesh"]
+
+MESH_DIMS = ("pp", "hdp", "tp")
+"""The mesh's dimensions, outermost first."""
+
+_current: Optional["Mesh"] = None
+
+
+@dataclass(frozen=True, eq=False)
+class Mesh:
+    """A ``pp x hdp x tp`` layout of the world (see module docstring).
+
+    ``device_mesh``: the torch DeviceMesh (its dimensions: those of MESH_DIMS it has, "hdp" always);
+    ``grid``: every rank at ``grid[p][h][t]``; ``rank``: this process.
+    """
+
+    device_mesh: "torch.distributed.device_mesh.DeviceMesh"
+    grid: Tuple[Tuple[Tuple[int, ...], ...], ...]
+    rank: int
+
+    @property
+    def pp(self) -> int:
+        return len(self.grid)
+
+    @property
+    def hdp(self) -> int:
+        return len(self.grid[0])
+
+    @property
+    def tp(self) -> int:
+        return len(self.grid[0][0])
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.hdp * self.tp
+
+    def coords(self, rank: Optional[int] = None) -> Dict[str, int]:
+        """``{"pp": p, "hdp": h, "tp": t}`` of ``rank`` (default: this process)."""
+        r = self.rank if rank is None else int(rank)
+        for p, stage in enumerate(self.grid):
+            for h, unit in enumerate(stage):
+                if r in unit:
+                    return {"pp": p, "hdp": h, "tp": unit.index(r)}
+        raise ValueError(f"bytescale Mesh: rank {r} is not in the mesh {self.describe()}")
+
+    @property
+    def units(self) -> UnitMap:
+        """HDP unit -> global ranks of this rank's pipeline stage (what the planner plans)."""
+        return UnitMap(self.grid[self.coords()["pp"]])
+
+    def __getitem__(self, name: str):
+        """The DeviceMesh of dimension ``name`` ("pp", "hdp", "tp") through this rank; a dimension
+        of size 1 that the DeviceMesh lacks raises KeyError (see :meth:`has`)."""
+        if name not in MESH_DIMS:
+            raise KeyError(f"bytescale Mesh: no dimension {name!r} (dimensions: {', '.join(MESH_DIMS)})")
+        if name not in (self.device_mesh.mesh_dim_names or ()):
+            raise KeyError(f"bytescale Mesh: dimension {name!r} has size 1 and is not part of the "
+                           f"DeviceMesh {self.device_mesh.mesh_dim_names}")
+        return self.device_mesh[name]
+
+    def has(self, name: str) -> bool:
+        return name in (self.device_mesh.mesh_dim_names or ())
+
+    def group(self, name: str) -> Optional[dist.ProcessGroup]:
+        """The process group of dimension ``name`` through this rank (None for an absent size-1
+        dimension: nothing to communicate)."""
+        return self[name].get_group() if self.has(name) else None
+
+    def ranks(self, name: str, rank: Optional[int] = None) -> Tuple[int, ...]:
+        """Global ranks of the ``name`` group through ``rank`` (default: this process)."""
+        c = self.coords(rank)
+        if name == "tp":
+            return self.grid[c["pp"]][c["hdp"]]
+        if name == "hdp":
+            return tuple(u[c["tp"]] for u in self.grid[c["pp"]])
+        if name == "pp":
+            return tuple(stage[c["hdp"]][c["tp"]] for stage in self.grid)
+        raise KeyError(f"bytescale Mesh: no dimension {name!r}")
+
+    def describe(self) -> str:
+        return (f"pp {self.pp} x hdp {self.hdp} x tp {self.tp} = {self.world_size} ranks "
+                f"(TP groups {[list(u) for u in self.grid[0][:4]]}{' ...' if self.hdp > 4 else ''})")
+
+    def to_dict(self) -> Dict[str, int]:
+        """The layout's sizes (checkpoint manifests, plan checks)."""
+        return {"pp": self.pp, "hdp": self.hdp, "tp": self.tp}
+
+
+def _check_size(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"bytescale.init_mesh: {name} must be an integer >= 1, got {v!r}")
+    return v
+
+
+def _default_device_type() -> str:
+    from .. import _torch_private as _tp
+
+    bound = getattr(_tp.default_group(), "bound_device_id", None)
+    return bound.type if bound is not None else "cpu"
+
+
+def _warn_if_tp_spans_nodes(grid, hostnames: List[str]) -> None:
+    for stage in grid:
+        for unit in stage:
+            hosts = sorted({hostnames[r] for r in unit})
+            if len(hosts) > 1:
+                warnings.warn(
+                    f"bytescale.init_mesh: the TP group of ranks {list(unit)} spans {len(hosts)} nodes "
+                    f"({', '.join(hosts)}): its collectives (several per layer) cross the network; "
+                    "make tp divide the number of ranks per node", RuntimeWarning, stacklevel=3)
+                return
+
+
+def init_mesh(tp: int = 1, pp: int = 1, device_type: Optional[str] = None) -> Mesh:
+    """Lay the world out as ``pp x hdp x tp`` (TP innermost), make it the current mesh, return it.
+
+    Collective: every rank calls it after ``dist.init_process_group("bytescale")``. ``hdp`` is
+    ``world / (pp x tp)``. The TP and PP groups are created here, once, as static groups.
+
+    Raises:
+        ValueError: a size that is not a positive integer, or a world size that ``pp x tp`` does
+            not divide (naming the values). A TP group whose ranks are on several nodes (by
+            hostname) gives a RuntimeWarning.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise RuntimeError("bytescale.init_mesh: call dist.init_process_group('bytescale') first")
+    tp, pp = _check_size("tp", tp), _check_size("pp", pp)
+    world = dist.get_world_size()
+    if world % (pp * tp):
+        raise ValueError(f"bytescale.init_mesh: the world of {world} ranks is not divisible by pp={pp} x "
+                         f"tp={tp} = {pp * tp}; run on a multiple of {pp * tp} ranks or change tp/pp")
+    hdp = world // (pp * tp)
+    sizes = {"pp": pp, "hdp": hdp, "tp": tp}
+    names = tuple(d for d in MESH_DIMS if sizes[d] > 1 or d == "hdp")
+    hosts: List[str] = [""] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    device_mesh = init_device_mesh(device_type or _default_device_type(), tuple(sizes[d] for d in names),
+                                   mesh_dim_names=names)
+    grid = tuple(tuple(tuple((p * hdp + h) * tp + t for t in range(tp)) for h in range(hdp)) for p in range(pp))
+    _warn_if_tp_spans_nodes(grid, hosts)
+    mesh = Mesh(device_mesh, grid, dist.get_rank())
+    set_current_mesh(mesh)
+    return mesh
+
+
+def mesh_from_device_mesh(device_mesh) -> Mesh:
+    """A :class:`Mesh` over a DeviceMesh the user built (dimensions named among pp, hdp, tp, in
+    any order; a missing one has size 1); it becomes the current mesh."""
+    names = tuple(device_mesh.mesh_dim_names or ())
+    bad = [n for n in names if n not in MESH_DIMS]
+    if not names or bad or len(set(names)) != len(names):
+        raise ValueError(f"bytescale: a DeviceMesh for HDP needs dimensions named among {MESH_DIMS} "
+                         f"(each once), got {names or 'unnamed dimensions'}")
+    ranks = device_mesh.mesh
+    if ranks.numel() != dist.get_world_size():
+        raise ValueError(f"bytescale: the DeviceMesh holds {ranks.numel()} ranks, the world {dist.get_world_size()}")
+    full = ranks
+    for d in MESH_DIMS:  # add the missing dimensions as size 1, then order them pp, hdp, tp
+        if d not in names:
+            full = full.unsqueeze(-1)
+            names = names + (d,)
+    full = full.permute([names.index(d) for d in MESH_DIMS])
+    grid = tuple(tuple(tuple(int(r) for r in unit) for unit in stage) for stage in full.tolist())
+    mesh = Mesh(device_mesh, grid, dist.get_rank())
+    set_current_mesh(mesh)
+    return mesh
+
+
+def current_mesh() -> Optional[Mesh]:
+    """The mesh :func:`init_mesh` made last (None before, or after the world was destroyed)."""
+    if _current is not None and not dist.is_initialized():
+        return None
+    return _current
+
+
+def set_current_mesh(mesh: Optional[Mesh]) -> None:
+    global _current
+    _current = mesh
