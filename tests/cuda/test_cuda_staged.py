@@ -74,6 +74,12 @@ def _collectives(rank, world):
     rs = torch.empty(4, device="cuda")
     dist.reduce_scatter_tensor(rs, torch.ones(4 * world, device="cuda"), group=g)
     out["group_reduce_scatter"] = rs.cpu()
+    # a static group (its own Gloo context; the staged transport over it, as NCCL would split)
+    s = dist.new_group([0, world - 1])
+    z = torch.full((7,), float(rank + 1), device="cuda")
+    if rank in (0, world - 1):
+        dist.all_reduce(z, group=s)
+    out["static_all_reduce"] = z.cpu()
     return out
 
 
@@ -86,6 +92,8 @@ def test_cuda_collectives_across_processes():
         want = torch.cat([torch.full((5,), float(world - 1 - j)) for j in range(world)])
         assert torch.equal(out["group_all_gather"], want)
         assert torch.equal(out["group_reduce_scatter"], torch.full((4,), float(world)))
+        want = float(1 + world) if rank in (0, world - 1) else float(rank + 1)
+        assert torch.equal(out["static_all_reduce"], torch.full((7,), want))
 
 
 def _hdp_offload(rank, world):

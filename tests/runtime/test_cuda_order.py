@@ -79,8 +79,9 @@ def _reference(lengths):
     return [p.detach() for p in model.parameters()]
 
 
-def _hdp(rank, world, lengths):
+def _hdp(rank, world, lengths, via="micro_batch"):
     from bytescale import HybridDataParallel, testing
+    from bytescale.runtime import StepExecutor
 
     assert testing.nccl_order() and testing.backward_thread_enabled()
     loader = _loader(lengths)
@@ -90,23 +91,28 @@ def _hdp(rank, world, lengths):
     shapes = []
     for step in loader:
         shapes.append(_ring_not_last_on_every_member(step.plan, world))
-        mbs = step.micro_batches
-        for i, mb in enumerate(mbs):
-            with model.micro_batch(mb, last=i == len(mbs) - 1):
-                logits = model(mb.input_ids, mb.position_ids, layout=mb.layout)
-                token_level_loss(logits, mb.labels, step.global_loss_tokens).backward()
-        model.finish_step()
+        if via == "executor":  # the step executor's forward / backward phases
+            StepExecutor(model).run(step)
+        else:
+            mbs = step.micro_batches
+            for i, mb in enumerate(mbs):
+                with model.micro_batch(mb, last=i == len(mbs) - 1):
+                    logits = model(mb.input_ids, mb.position_ids, layout=mb.layout)
+                    token_level_loss(logits, mb.labels, step.global_loss_tokens).backward()
+            model.finish_step()
         opt.step()
         opt.zero_grad()
     loader.close()
     return [p.detach() for p in model.module.parameters()], shapes
 
 
-def test_grad_sync_never_cycles_with_a_ring_on_one_stream(monkeypatch):
-    """Finding 1: a deadlock (surfacing as the transport's timeout error) before the fix."""
+@pytest.mark.parametrize("via", ["micro_batch", "executor"])
+def test_grad_sync_never_cycles_with_a_ring_on_one_stream(monkeypatch, via):
+    """Finding 1: a deadlock (surfacing as the transport's timeout error) before the fix; with
+    HybridDataParallel.micro_batch and with the step executor's separate phases."""
     monkeypatch.setenv("BYTESCALE_NCCL_ORDER", "1")
     lengths = _batch_with_the_shape()
-    per_rank = run_distributed(_hdp, WORLD, lengths, timeout=240, pg_timeout=25)
+    per_rank = run_distributed(_hdp, WORLD, lengths, via, timeout=240, pg_timeout=25)
     ref = _reference(lengths)
     assert per_rank[0][1][0], "the first step must have the shape under test"
     for params, _ in per_rank:
