@@ -49,10 +49,12 @@ SUMMARY=$OUT/summary.jsonl
 [ "$DRY" = 1 ] || : > "$SUMMARY"
 FAIL=0
 
-# ---- the checks, as data: every stage is made of these four kinds of step --------------------
+# ---- the checks, as data: every stage is made of these kinds of step --------------------
 # pytest NAME TIMEOUT TARGET... [-- PYTEST-ARGS]     tests (dry run: collected)
 # script NAME TIMEOUT SCRIPT ARGS...                  a python script (dry run: SCRIPT --help)
 # module NAME TIMEOUT MODULE ARGS...                  python -m MODULE (dry run: --help)
+# train  NAME TIMEOUT NPROC ENV ARGS...               torchrun -m bytescale.train (dry run: --help,
+#                                                     ARGS parsed by the trainer's option parser)
 # shell  NAME TIMEOUT COMMAND...                      anything else (dry run: the command resolves)
 DRY_TESTS=()
 
@@ -106,6 +108,21 @@ module_step() {
     return
   fi
   timed "$name" "$t" "$OUT/$name.log" "$@"
+}
+
+# train_step NAME TIMEOUT NPROC ENV ARGS...: python -m bytescale.train under torchrun on this GPU
+# (dry run: --help, and ARGS parsed by the trainer's own option parser, so a renamed option fails)
+train_step() {
+  local name=$1 t=$2 nproc=$3 envs=$4; shift 4
+  if [ "$DRY" = 1 ]; then
+    module_step "$name" 0 bytescale.train
+    if $PY -c 'import sys; from bytescale.train.config import parse_args; parse_args(sys.argv[1:])' "$@" \
+        >/dev/null 2>"$OUT/dry-$name-args.err"; then echo "dry run: $name: bytescale.train options ok"
+    else echo "dry run: $name: bytescale.train rejects the options:"; tail -5 "$OUT/dry-$name-args.err"; FAIL=1; fi
+    return
+  fi
+  timed "$name" "$t" "$OUT/$name.log" env $envs $PY -m torch.distributed.run --standalone \
+    --nproc_per_node "$nproc" -m bytescale.train "$@"
 }
 
 shell_step() {
@@ -200,9 +217,7 @@ stage_sanitizer() {
 
 stage_staged() {
   pytest_step staged 900 tests/cuda/test_cuda_staged.py
-  if [ "$DRY" = 1 ]; then module_step staged_demo 0 bytescale.train; return; fi
-  BYTESCALE_CUDA_TRANSPORT=staged timed staged_demo 300 "$OUT/staged_demo.log" \
-    $PY -m torch.distributed.run --standalone --nproc_per_node 2 -m bytescale.train --device cuda \
+  train_step staged_demo 300 2 BYTESCALE_CUDA_TRANSPORT=staged --device cuda \
     --data synthetic:byted --model small --capacity 4096 --tokens-per-batch 16384 --steps 4 --bf16 \
     --offload --metrics "$OUT/staged_demo.jsonl"
 }
@@ -230,13 +245,10 @@ stage_profile() {
 stage_demo() {
   # the training entry point on one GPU: bf16, FSDP2, activation checkpointing, a checkpoint,
   # resume; memory per step in the metrics JSONL
-  if [ "$DRY" = 1 ]; then module_step demo 0 bytescale.train; return; fi
-  timed demo 240 "$OUT/demo.log" $PY -m torch.distributed.run --standalone --nproc_per_node 1 \
-    -m bytescale.train --device cuda --data synthetic:byted --model small --capacity 8192 \
+  train_step demo 240 1 "" --device cuda --data synthetic:byted --model small --capacity 8192 \
     --tokens-per-batch 32768 --steps 6 --stop-after 4 --bf16 --fsdp --activation-checkpointing \
     --checkpoint-dir "$OUT/ckpt" --metrics "$OUT/train.jsonl"
-  timed demo_resume 240 "$OUT/demo_resume.log" $PY -m torch.distributed.run --standalone \
-    --nproc_per_node 1 -m bytescale.train --device cuda --data synthetic:byted --model small \
+  train_step demo_resume 240 1 "" --device cuda --data synthetic:byted --model small \
     --capacity 8192 --tokens-per-batch 32768 --steps 6 --bf16 --fsdp --activation-checkpointing \
     --checkpoint-dir "$OUT/ckpt" --resume --metrics "$OUT/train.jsonl"
 }

@@ -85,9 +85,13 @@ def test_ring_is_last_on_all_matches_every_members_last_micro_batch(strategy, wo
     rng = np.random.default_rng(world)
     seen = {True: 0, False: 0}
     for _ in range(40):
-        lengths = rng.integers(1, 400, size=int(rng.integers(3, 20))).tolist()
+        # static: a CP degree dividing the world (2, else the world), sequences it can hold
+        cp = (2 if world % 2 == 0 else world) if strategy == "static" else None
+        hi = 100 * cp if cp else 400
+        lengths = rng.integers(1, hi, size=int(rng.integers(3, 20))).tolist()
         try:
-            p = plan(lengths, world_size=world, capacity=100, strategy=strategy)
+            kw = {"static_cp": cp} if cp else {}
+            p = plan(lengths, world_size=world, capacity=100, strategy=strategy, **kw)
         except ValueError:
             continue
         mbs = [p.micro_batches(r) for r in range(world)]
