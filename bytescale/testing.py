@@ -14,7 +14,7 @@ Two things make a CUDA run differ from the CPU runs every test does, and both hi
   ``import bytescale`` turns it on for the whole process (:func:`install_from_env`).
 
 ``BYTESCALE_NCCL_ORDER=1 python -m pytest ...`` runs tests under both (scripts/run_tests.sh runs
-the multi-process runtime, attention, communication and HF-training tests so).
+the multi-process runtime, attention and HF-training tests so).
 """
 from __future__ import annotations
 
