@@ -212,15 +212,103 @@ class Plan:
         same slot; rings keep the plan's order, locals fill the remaining slots in order."""
         return _C.planner.lockstep(self._p)
 
-    def lockstep_micro_batches(self, rank: int, sample_ids: Optional[Sequence[int]] = None) -> List[MicroBatchPlan]:
+    def lockstep_micro_batches(self, rank: int, sample_ids: Optional[Sequence[int]] = None,
+                               group: int = 0) -> List[MicroBatchPlan]:
         """Global rank ``rank``'s micro-batches by lockstep slot (:meth:`lockstep`, slots of its
-        unit): an empty :class:`MicroBatchPlan` for a padding slot; ``index`` is the slot."""
+        unit): an empty :class:`MicroBatchPlan` for a padding slot; ``index`` is the slot.
+
+        ``group`` > 0: the slots are agreed within blocks of ``group`` consecutive HDP units (the
+        expert-parallel groups, :meth:`group_lockstep`) instead of the whole world."""
         unit = self.units.unit_of(rank)
-        slots = self.lockstep()
+        slots = self.group_lockstep(group) if group else self.lockstep()
         mine = self.micro_batches(rank, sample_ids)
         base = int(self._p.rank_mb[unit])
         return [MicroBatchPlan(rank, k) if m < 0 else replace(mine[int(m) - base], index=k)
-                for k, m in enumerate(slots[unit].tolist())]
+                for k, m in enumerate(slots[unit]) if k < self._group_slots(slots, unit, group)]
+
+    def group_lockstep(self, group: int) -> np.ndarray:
+        """Lockstep slots for expert parallelism: int64 ``[units, slots]`` as :meth:`lockstep`, but
+        each block of ``group`` consecutive HDP units (an expert-parallel group, whose all-to-alls
+        need all its members in every micro-batch) runs only up to its own last real slot; the
+        columns past it are -1 for the block (:meth:`group_slots` gives each unit's count).
+
+        Every unit of a block runs the same number of slots; ring micro-batches keep their common
+        slot on all members (so the rings of slot k and the all-to-alls of slot k never wait on one
+        another across slots: no cycle, hence no hang). Raises ValueError when ``group`` does not
+        divide the number of units.
+        """
+        n = self.units.num_units
+        if group < 1 or n % group:
+            raise ValueError(f"Plan.group_lockstep: group {group} does not divide the {n} HDP units")
+        return self.lockstep()
+
+    def group_slots(self, group: int) -> np.ndarray:
+        """Slots each unit runs under :meth:`group_lockstep` (the same within a block)."""
+        slots = self.group_lockstep(group)
+        return np.array([self._group_slots(slots, u, group) for u in range(slots.shape[0])], dtype=np.int64)
+
+    def ep_replay(self, group: int, durations: Optional[Sequence[float]] = None) -> Replay:
+        """The plan replayed as expert parallelism runs it (:meth:`group_lockstep`): the units of
+        an EP block advance slot by slot together (their all-to-alls join every member in every
+        layer), a ring joins its members' blocks for its slot, and a slot lasts as long as the
+        slowest micro-batch among the units it joins (a padding slot costs nothing itself but
+        waits). ``durations`` as in :meth:`replay`. Compare ``step_time`` with :meth:`replay`'s:
+        the difference is what the EP rule costs on this plan."""
+        p = self._p
+        d = np.asarray(p.mb_cost if durations is None else durations, dtype=np.float64)
+        if d.shape != (len(p.mb_cost),) or not np.all(np.isfinite(d)) or np.any(d < 0):
+            raise ValueError(f"Plan.ep_replay: need {len(p.mb_cost)} finite durations >= 0")
+        slots = self.group_lockstep(group)
+        n_units = slots.shape[0]
+        counts = self.group_slots(group)
+        ready = np.zeros(n_units)
+        busy = np.zeros(n_units)
+        start = np.zeros(len(d))
+        end = np.zeros(len(d))
+        ring_of = np.asarray(p.mb_ring)
+        for k in range(slots.shape[1]):
+            parent = list(range(n_units // group))  # union of blocks joined by this slot's rings
+
+            def find(b: int) -> int:
+                while parent[b] != b:
+                    parent[b] = parent[parent[b]]
+                    b = parent[b]
+                return b
+
+            members: Dict[int, List[int]] = {}
+            for u in range(n_units):
+                m = int(slots[u, k])
+                if m >= 0 and k < counts[u] and ring_of[m] >= 0:
+                    members.setdefault(int(ring_of[m]), []).append(u)
+            for us in members.values():
+                for u in us[1:]:
+                    parent[find(u // group)] = find(us[0] // group)
+            comp: Dict[int, List[int]] = {}
+            for u in range(n_units):
+                if k < counts[u]:
+                    comp.setdefault(find(u // group), []).append(u)
+            for us in comp.values():
+                t0 = max(ready[u] for u in us)
+                mbs = [int(slots[u, k]) for u in us if slots[u, k] >= 0]
+                t1 = t0 + max((d[m] for m in mbs), default=0.0)
+                for m in mbs:
+                    start[m], end[m] = t0, t1
+                    busy[self._unit_of_mb(m)] += d[m]
+                for u in us:
+                    ready[u] = t1
+        step = float(ready.max()) if n_units else 0.0
+        return Replay(start, end, ready, busy, step - busy, step)
+
+    def _unit_of_mb(self, m: int) -> int:
+        return int(np.searchsorted(np.asarray(self._p.rank_mb), m, side="right") - 1)
+
+    @staticmethod
+    def _group_slots(slots: np.ndarray, unit: int, group: int) -> int:
+        if not group:
+            return slots.shape[1]
+        b = unit // group * group
+        used = np.nonzero((slots[b:b + group] >= 0).any(axis=0))[0]
+        return int(used[-1]) + 1 if used.size else 0
 
     def num_micro_batches(self, rank: Optional[int] = None) -> Union[int, np.ndarray]:
         counts = np.diff(self._p.rank_mb)
