@@ -42,7 +42,7 @@ from .types import DocRef, MicroBatchPlan
 from .units import UnitMap
 
 __all__ = ["CostModel", "Plan", "DocRef", "MicroBatchPlan", "Replay", "UnitMap", "load_cost_model", "plan",
-           "profile", "static_cp_degree"]
+           "profile", "static_cp_degree", "schedule_lockstep", "ep_slot_replay"]
 
 CostModel = _C.planner.CostModel
 
@@ -248,59 +248,12 @@ class Plan:
         return np.array([self._group_slots(slots, u, group) for u in range(slots.shape[0])], dtype=np.int64)
 
     def ep_replay(self, group: int, durations: Optional[Sequence[float]] = None) -> Replay:
-        """The plan replayed as expert parallelism runs it (:meth:`group_lockstep`): the units of
-        an EP block advance slot by slot together (their all-to-alls join every member in every
-        layer), a ring joins its members' blocks for its slot, and a slot lasts as long as the
-        slowest micro-batch among the units it joins (a padding slot costs nothing itself but
-        waits). ``durations`` as in :meth:`replay`. Compare ``step_time`` with :meth:`replay`'s:
-        the difference is what the EP rule costs on this plan."""
+        """The plan replayed as expert parallelism runs it (:func:`ep_slot_replay` on
+        :meth:`group_lockstep`); ``durations`` as in :meth:`replay`. Compare ``step_time`` with
+        :meth:`replay`'s: the difference is what the EP rule costs on this plan."""
         p = self._p
         d = np.asarray(p.mb_cost if durations is None else durations, dtype=np.float64)
-        if d.shape != (len(p.mb_cost),) or not np.all(np.isfinite(d)) or np.any(d < 0):
-            raise ValueError(f"Plan.ep_replay: need {len(p.mb_cost)} finite durations >= 0")
-        slots = self.group_lockstep(group)
-        n_units = slots.shape[0]
-        counts = self.group_slots(group)
-        ready = np.zeros(n_units)
-        busy = np.zeros(n_units)
-        start = np.zeros(len(d))
-        end = np.zeros(len(d))
-        ring_of = np.asarray(p.mb_ring)
-        for k in range(slots.shape[1]):
-            parent = list(range(n_units // group))  # union of blocks joined by this slot's rings
-
-            def find(b: int) -> int:
-                while parent[b] != b:
-                    parent[b] = parent[parent[b]]
-                    b = parent[b]
-                return b
-
-            members: Dict[int, List[int]] = {}
-            for u in range(n_units):
-                m = int(slots[u, k])
-                if m >= 0 and k < counts[u] and ring_of[m] >= 0:
-                    members.setdefault(int(ring_of[m]), []).append(u)
-            for us in members.values():
-                for u in us[1:]:
-                    parent[find(u // group)] = find(us[0] // group)
-            comp: Dict[int, List[int]] = {}
-            for u in range(n_units):
-                if k < counts[u]:
-                    comp.setdefault(find(u // group), []).append(u)
-            for us in comp.values():
-                t0 = max(ready[u] for u in us)
-                mbs = [int(slots[u, k]) for u in us if slots[u, k] >= 0]
-                t1 = t0 + max((d[m] for m in mbs), default=0.0)
-                for m in mbs:
-                    start[m], end[m] = t0, t1
-                    busy[self._unit_of_mb(m)] += d[m]
-                for u in us:
-                    ready[u] = t1
-        step = float(ready.max()) if n_units else 0.0
-        return Replay(start, end, ready, busy, step - busy, step)
-
-    def _unit_of_mb(self, m: int) -> int:
-        return int(np.searchsorted(np.asarray(self._p.rank_mb), m, side="right") - 1)
+        return ep_slot_replay(self.group_lockstep(group), group, np.asarray(p.rank_mb), np.asarray(p.mb_ring), d)
 
     @staticmethod
     def _group_slots(slots: np.ndarray, unit: int, group: int) -> int:
@@ -514,6 +467,93 @@ def plan(
     if verify:
         p.raw.verify(arr.tolist(), opts)
     return p
+
+
+def schedule_lockstep(world: int, rank_mb: np.ndarray, mb_ring: np.ndarray, ring_grp: np.ndarray,
+                      grp_ranks: np.ndarray) -> np.ndarray:
+    """:meth:`Plan.lockstep` for a schedule given as raw arrays (the simulator's): int64
+    ``[world, slots]``. Rings take the slot where a replay with one time unit per ring micro-batch
+    (and none per local one) starts them; each rank's locals fill its free slots in order."""
+    mb_ring = np.ascontiguousarray(mb_ring, dtype=np.int64)
+    rank_mb = np.ascontiguousarray(rank_mb, dtype=np.int64)
+    unit = (mb_ring >= 0).astype(np.float64)
+    rep = _C.planner.replay_schedule(world, rank_mb, mb_ring, np.ascontiguousarray(ring_grp, dtype=np.int64),
+                                     np.ascontiguousarray(grp_ranks, dtype=np.int32), unit)
+    ring_start = np.rint(np.asarray(rep.mb_start)).astype(np.int64)
+    slot_of = np.full(len(mb_ring), -1, dtype=np.int64)
+    total = 0
+    for r in range(world):
+        lo, hi = int(rank_mb[r]), int(rank_mb[r + 1])
+        taken = {int(ring_start[m]) for m in range(lo, hi) if mb_ring[m] >= 0}
+        for m in range(lo, hi):
+            if mb_ring[m] >= 0:
+                slot_of[m] = ring_start[m]
+        k = 0
+        for m in range(lo, hi):
+            if mb_ring[m] >= 0:
+                continue
+            while k in taken:
+                k += 1
+            slot_of[m] = k
+            k += 1
+        total = max([total, k] + [t + 1 for t in taken])
+    out = np.full((world, total), -1, dtype=np.int64)
+    for r in range(world):
+        for m in range(int(rank_mb[r]), int(rank_mb[r + 1])):
+            out[r, slot_of[m]] = m
+    return out
+
+
+def ep_slot_replay(slots: np.ndarray, group: int, rank_mb: np.ndarray, mb_ring: np.ndarray,
+                   durations: np.ndarray) -> Replay:
+    """Replay of lockstep ``slots`` (``[units, slots]``, -1 = padding) under expert parallelism
+    with EP blocks of ``group`` consecutive units: a block's units advance slot by slot together
+    (their all-to-alls join every member in every layer; a block stops after its own last real
+    slot), a ring joins its members' blocks for its slot, and a slot lasts as long as the slowest
+    micro-batch among the units it joins (a padding slot costs nothing itself but waits).
+    ``rank_finish`` is each unit's end. Raises ValueError on bad durations or group."""
+    d = np.asarray(durations, dtype=np.float64)
+    n_units = slots.shape[0]
+    if group < 1 or n_units % group:
+        raise ValueError(f"ep_slot_replay: group {group} does not divide the {n_units} HDP units")
+    if d.shape != (len(mb_ring),) or not np.all(np.isfinite(d)) or np.any(d < 0):
+        raise ValueError(f"ep_slot_replay: need {len(mb_ring)} finite durations >= 0")
+    counts = [Plan._group_slots(slots, u, group) for u in range(n_units)]
+    unit_of = np.repeat(np.arange(n_units), np.diff(np.asarray(rank_mb)))
+    ready, busy = np.zeros(n_units), np.zeros(n_units)
+    start, end = np.zeros(len(d)), np.zeros(len(d))
+    for k in range(slots.shape[1]):
+        parent = list(range(n_units // group))  # blocks joined by this slot's rings
+
+        def find(b: int) -> int:
+            while parent[b] != b:
+                parent[b] = parent[parent[b]]
+                b = parent[b]
+            return b
+
+        members: Dict[int, List[int]] = {}
+        for u in range(n_units):
+            m = int(slots[u, k])
+            if m >= 0 and k < counts[u] and mb_ring[m] >= 0:
+                members.setdefault(int(mb_ring[m]), []).append(u)
+        for us in members.values():
+            for u in us[1:]:
+                parent[find(u // group)] = find(us[0] // group)
+        comp: Dict[int, List[int]] = {}
+        for u in range(n_units):
+            if k < counts[u]:
+                comp.setdefault(find(u // group), []).append(u)
+        for us in comp.values():
+            t0 = max(ready[u] for u in us)
+            mbs = [int(slots[u, k]) for u in us if slots[u, k] >= 0]
+            t1 = t0 + max((d[m] for m in mbs), default=0.0)
+            for m in mbs:
+                start[m], end[m] = t0, t1
+                busy[unit_of[m]] += d[m]
+            for u in us:
+                ready[u] = t1
+    step = float(ready.max()) if n_units else 0.0
+    return Replay(start, end, ready, busy, step - busy, step)
 
 
 from .profile import profile  # noqa: E402  (measures this cost model on a device)

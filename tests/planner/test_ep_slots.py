@@ -84,3 +84,13 @@ def test_ep_replay_blocks_of_one_unit_without_rings_are_the_plain_sums():
     assert r.step_time == pytest.approx(max(sums)) == pytest.approx(plan.replay(d).step_time)
     with pytest.raises(ValueError, match="finite durations"):
         plan.ep_replay(1, d[:-1])
+
+
+def test_schedule_lockstep_on_raw_arrays_equals_the_cpp_lockstep():
+    from bytescale.planner import schedule_lockstep
+
+    for plan, world in _random_plans(25):
+        r = plan.raw
+        got = schedule_lockstep(world, np.asarray(r.rank_mb), np.asarray(r.mb_ring), np.asarray(r.ring_grp),
+                                np.asarray(r.grp_ranks))
+        np.testing.assert_array_equal(got, plan.lockstep())
