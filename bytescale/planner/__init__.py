@@ -42,7 +42,7 @@ from .types import DocRef, MicroBatchPlan
 from .units import UnitMap
 
 __all__ = ["CostModel", "Plan", "DocRef", "MicroBatchPlan", "Replay", "UnitMap", "load_cost_model", "plan",
-           "profile", "static_cp_degree", "schedule_lockstep", "ep_slot_replay"]
+           "profile", "static_cp_degree", "schedule_lockstep", "sort_local_slots", "ep_slot_replay"]
 
 CostModel = _C.planner.CostModel
 
@@ -230,7 +230,10 @@ class Plan:
         """Lockstep slots for expert parallelism: int64 ``[units, slots]`` as :meth:`lockstep`, but
         each block of ``group`` consecutive HDP units (an expert-parallel group, whose all-to-alls
         need all its members in every micro-batch) runs only up to its own last real slot; the
-        columns past it are -1 for the block (:meth:`group_slots` gives each unit's count).
+        columns past it are -1 for the block (:meth:`group_slots` gives each unit's count). Each
+        unit's local micro-batches take its free slots longest first (:func:`sort_local_slots`),
+        so that a slot, which lasts as long as its slowest member, joins micro-batches of like
+        cost.
 
         Every unit of a block runs the same number of slots; ring micro-batches keep their common
         slot on all members (so the rings of slot k and the all-to-alls of slot k never wait on one
@@ -240,7 +243,7 @@ class Plan:
         n = self.units.num_units
         if group < 1 or n % group:
             raise ValueError(f"Plan.group_lockstep: group {group} does not divide the {n} HDP units")
-        return self.lockstep()
+        return sort_local_slots(self.lockstep(), np.asarray(self._p.mb_ring), np.asarray(self._p.mb_cost))
 
     def group_slots(self, group: int) -> np.ndarray:
         """Slots each unit runs under :meth:`group_lockstep` (the same within a block)."""
@@ -501,6 +504,18 @@ def schedule_lockstep(world: int, rank_mb: np.ndarray, mb_ring: np.ndarray, ring
     for r in range(world):
         for m in range(int(rank_mb[r]), int(rank_mb[r + 1])):
             out[r, slot_of[m]] = m
+    return out
+
+
+def sort_local_slots(slots: np.ndarray, mb_ring: np.ndarray, cost: np.ndarray) -> np.ndarray:
+    """``slots`` with each row's local micro-batches (``mb_ring`` -1) permuted over the slots they
+    occupy, costliest first (ties by index); ring slots and padding stay. Local micro-batches have
+    no partner, so any order of them is a valid schedule."""
+    out = np.array(slots, dtype=np.int64, copy=True)
+    for row in out:
+        pos = [k for k, m in enumerate(row) if m >= 0 and mb_ring[m] < 0]
+        mbs = sorted((int(row[k]) for k in pos), key=lambda m: (-float(cost[m]), m))
+        row[pos] = mbs
     return out
 
 

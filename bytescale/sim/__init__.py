@@ -39,7 +39,7 @@ def simulate_batch(lengths: Union[Sequence[int], np.ndarray], model: Union[str, 
                    cluster_spec: Union[str, ClusterSpec] = "h100-nvlink-ib400",
                    capacity: Optional[int] = None, efficiency: float = 0.4,
                    profile: Optional[str] = None, cost: Any = None,
-                   grad_bytes: Optional[float] = None, tp: int = 1) -> List[SimResult]:
+                   grad_bytes: Optional[float] = None, tp: int = 1, ep: int = 1) -> List[SimResult]:
     """Simulates one step of the global batch ``lengths`` under each of ``strategies``.
 
     ``cluster_spec``: a preset name (resized to ``gpus``/``gpus_per_node``) or a ClusterSpec used as
@@ -47,7 +47,9 @@ def simulate_batch(lengths: Union[Sequence[int], np.ndarray], model: Union[str, 
     ``gpus / tp`` units). ``capacity``: tokens per micro-batch per unit (default: what fits, see
     :func:`default_capacity`). ``cost``: a ready CostModel of one unit's compute (else derived from
     the model and cluster, or read from ``profile``); the planner plans with it plus the TP
-    collectives (:func:`planner_cost`). Raises ValueError on bad input, naming it.
+    collectives (:func:`planner_cost`). ``ep``: expert parallelism over blocks of ``ep`` units (an
+    MoE model; the all-to-alls and the EP lockstep priced as in :mod:`~bytescale.sim.engine`).
+    Raises ValueError on bad input, naming it.
     """
     shape = model_shape(model) if isinstance(model, str) else model
     cl = cluster(cluster_spec, gpus, gpus_per_node) if isinstance(cluster_spec, str) else cluster_spec
@@ -67,7 +69,7 @@ def simulate_batch(lengths: Union[Sequence[int], np.ndarray], model: Union[str, 
     out = []
     for name in strategies:
         sched = build_schedule(name, lens, cl.gpus // tp, cap, pcm, plans)
-        res = simulate(sched, cl, shape, cm, tokens, sum_sq, grad_bytes, tp=tp)
+        res = simulate(sched, cl, shape, cm, tokens, sum_sq, grad_bytes, tp=tp, ep=ep)
         res.info["capacity"] = cap
         out.append(res)
     return out

@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--tp", type=int, default=1, help="tensor parallelism: GPUs per HDP unit, inside a node "
                    "(must divide --gpus-per-node and the model's heads)")
+    p.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE models): experts sharded over "
+                   "blocks of EP HDP units; prices the all-to-alls and the EP lockstep")
     p.add_argument("--context", default="2M", help="longest sequence; longer documents are split (2M, 256K, ...)")
     p.add_argument("--strategy", default="all", help=f"{', '.join(STRATEGIES)} or all (comma-separated list allowed)")
     p.add_argument("--json", help="write the results here")
@@ -139,10 +141,11 @@ def _run(args: argparse.Namespace) -> int:
     cap = parse_tokens(args.capacity, "capacity") if args.capacity is not None else None
     t0 = time.perf_counter()
     results = simulate_batch(lengths, args.model, args.gpus, args.gpus_per_node, names, args.cluster,
-                             cap, args.efficiency, args.profile, tp=args.tp)
+                             cap, args.efficiency, args.profile, tp=args.tp, ep=args.ep)
     took = time.perf_counter() - t0
     cap = results[0].info["capacity"]
     units = (f", TP {args.tp}: {args.gpus // args.tp} HDP units of {args.tp} GPUs" if args.tp > 1 else "")
+    units += f", EP {args.ep}" if args.ep > 1 else ""
     head = (f"{source}: {len(lengths)} sequences, {int(lengths.sum()):,} tokens, longest {int(lengths.max()):,}; "
             f"model {args.model}, {args.gpus} GPUs ({args.gpus_per_node}/node, {args.cluster}){units}, "
             f"capacity {cap} tokens/{'unit' if args.tp > 1 else 'GPU'}; simulated in {took:.2f} s")
@@ -150,7 +153,7 @@ def _run(args: argparse.Namespace) -> int:
     print(table(results))
     if args.json:
         doc = {"config": {"source": source, "model": args.model, "gpus": args.gpus,
-                          "gpus_per_node": args.gpus_per_node, "tp": args.tp, "context": context, "capacity": cap,
+                          "gpus_per_node": args.gpus_per_node, "tp": args.tp, "ep": args.ep, "context": context, "capacity": cap,
                           "cluster": args.cluster, "profile": args.profile, "efficiency": args.efficiency,
                           "sequences": int(len(lengths)), "tokens": int(lengths.sum()), "seed": args.seed,
                           "simulation_s": took},
