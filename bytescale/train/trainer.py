@@ -292,9 +292,10 @@ class Trainer:
             if self.device.type == "cuda" and rng[self.rank].get("cuda") is not None:
                 torch.cuda.set_rng_state(rng[self.rank]["cuda"])
         saved = tr.get("mesh") or {"hdp": tr["world_size"], "tp": 1}
+        ep_then, ep_now = int(saved.get("ep", 1)), self.mesh.ep
+        eps = (f", ep {ep_then}", f", ep {ep_now}") if max(ep_then, ep_now) > 1 else ("", "")
         self._log0(f"[{self.name}] resumed from {path} (saved at {tr['world_size']} ranks, hdp {saved['hdp']} x "
-                   f"tp {saved['tp']}, ep {saved.get('ep', 1)}; now {self.world}, hdp {self.hdp} x tp "
-                   f"{self.mesh.tp}, ep {self.mesh.ep}) "
+                   f"tp {saved['tp']}{eps[0]}; now {self.world}, hdp {self.hdp} x tp {self.mesh.tp}{eps[1]}) "
                    f"at step {self.step}")
 
     def _log0(self, msg: str) -> None:
