@@ -32,8 +32,10 @@ class PlannerConfig:
         "static" (the DP x CP baseline: one CP degree for every sequence, ``static_cp`` or the
         smallest power of two holding the step's longest sequence); all are C++ planner strategies
         returning the same :class:`bytescale.planner.Plan`.
-    offload: let long sequences offload activations (paper Eq. 3) to use fewer ranks (not with
-        "static": the baseline does not offload).
+    offload: let long sequences offload activations (paper Eq. 3) to use fewer ranks, never
+        lengthening the step (not with "static": the baseline does not offload).
+    offload_rule: "step" (Eq. 3 under the step's clock, default) or "paper-eq3" (the paper's
+        literal Eq. 3, for the ablation); see :func:`bytescale.plan`.
     cost: a CostModel, a JSON profile path, a dict of coefficients, or None (defaults).
     speed, memory: per-rank relative speed and capacity multipliers (heterogeneous clusters).
     """
@@ -42,6 +44,8 @@ class PlannerConfig:
                            min=1, required=True)
     strategy: str = option("balanced", "planner strategy; static is the DP x CP baseline", choices=STRATEGIES)
     offload: bool = option(False, "let the planner offload activations of long sequences (paper Eq. 3)")
+    offload_rule: str = option("step", "how offloading may shrink rings: step (never lengthens the step) or "
+                                       "paper-eq3 (the paper's literal Eq. 3)", choices=("step", "paper-eq3"))
     cost: Any = option(None, "planner cost model (a JSON profile from bytescale.profile, a dict, a CostModel)")
     speed: Optional[Tuple[float, ...]] = option(None, "per-rank relative speeds")
     memory: Optional[Tuple[float, ...]] = option(None, "per-rank capacity multipliers")
@@ -58,6 +62,8 @@ class PlannerConfig:
         if self.static_cp is not None and (isinstance(self.static_cp, bool) or not isinstance(self.static_cp, int)
                                            or self.static_cp < 1):
             raise ValueError(f"PlannerConfig.static_cp must be an integer >= 1 (or None), got {self.static_cp!r}")
+        if self.offload_rule not in ("step", "paper-eq3"):
+            raise ValueError(f"PlannerConfig.offload_rule {self.offload_rule!r} is not 'step' or 'paper-eq3'")
         if self.strategy == "static" and self.offload:
             raise ValueError("PlannerConfig: strategy='static' (the DP x CP baseline) does not offload; "
                              "set offload=False or choose an HDP strategy")
@@ -69,7 +75,7 @@ class PlannerConfig:
 
         return plan(lengths, world_size=world_size, capacity=self.capacity, strategy=self.strategy,
                     offload=self.offload, cost=self.cost, speed=self.speed, memory=self.memory,
-                    static_cp=self.static_cp)
+                    static_cp=self.static_cp, offload_rule=self.offload_rule)
 
 
 @dataclass(frozen=True)

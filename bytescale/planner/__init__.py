@@ -25,6 +25,16 @@ than pow2 under the replay; small instances refined by a budgeted search over li
 DP x CP baseline: one CP degree, :func:`static_cp_degree` or ``static_cp``, every sequence sharded
 over its replica's CP group, several sequences packed into one ring micro-batch) for comparison.
 Every strategy returns the same :class:`Plan`.
+
+Pipeline parallelism (``pp=P`` > 1, csrc/planner/pipeline.h): the plan's ranks are PIPELINES of HDP
+units (the units of one stage; pipeline ``h`` is unit ``h`` of every stage), the cost model's
+``layers`` are one stage's (:func:`stage_layers`), and every micro-batch carries a schedule slot
+(:attr:`Plan.slots`): each stage runs its pipeline's slots under 1F1B, a ring micro-batch sits at the
+same slot on all its member pipelines. ``plan.makespan`` is then the 1F1B replay's step, bubbles
+included (:meth:`Plan.pipeline_replay`). Strategies ``"pp-balance"`` (the paper's PP-Balance: one
+length level per pipeline, cheaper levels get more micro-batches, all pipelines end together) and
+``"pp-lockstep"`` (Megatron's lockstep slots: every pipeline the same count) plan for pipelines;
+the other strategies keep their per-pipeline order, slotted.
 """
 from __future__ import annotations
 
@@ -41,8 +51,9 @@ from .. import _C
 from .types import DocRef, MicroBatchPlan
 from .units import UnitMap
 
-__all__ = ["CostModel", "Plan", "DocRef", "MicroBatchPlan", "Replay", "UnitMap", "load_cost_model", "plan",
-           "profile", "static_cp_degree", "schedule_lockstep", "sort_local_slots", "ep_slot_replay"]
+__all__ = ["CostModel", "Plan", "DocRef", "MicroBatchPlan", "PipelineReplay", "Replay", "UnitMap",
+           "load_cost_model", "plan", "profile", "stage_layers", "static_cp_degree", "schedule_lockstep",
+           "sort_local_slots", "ep_slot_replay"]
 
 CostModel = _C.planner.CostModel
 
@@ -91,6 +102,34 @@ class Replay:
         return cls(r.mb_start, r.mb_end, r.rank_finish, r.rank_busy, r.rank_idle, float(r.step_time))
 
 
+@dataclass(frozen=True)
+class PipelineReplay:
+    """A pipelined plan replayed under 1F1B (:meth:`Plan.pipeline_replay`).
+
+    ``fwd_start`` ... ``bwd_end``: float64 ``[micro-batches, stages]`` (micro-batches indexed like
+    ``Plan.raw.mb_cost``); ``pipe_finish``: per pipeline, the end of its last operation;
+    ``stage_busy``: ``[pipelines, stages]`` time inside operations; ``step_time``: the latest
+    finish; ``bubble``: the idle share of the step over every stage of every pipeline (pipeline
+    warm-up and cool-down, waits for ring partners and transfers, pipelines ending early).
+    """
+
+    fwd_start: np.ndarray
+    fwd_end: np.ndarray
+    bwd_start: np.ndarray
+    bwd_end: np.ndarray
+    pipe_finish: np.ndarray
+    stage_busy: np.ndarray
+    step_time: float
+    bubble: float
+
+    @classmethod
+    def _wrap(cls, r: "_C.planner.PipelineReplay") -> "PipelineReplay":
+        H, P = int(r.pipelines), int(r.stages)
+        return cls(*(np.asarray(a).reshape(-1, P) for a in (r.fwd_start, r.fwd_end, r.bwd_start, r.bwd_end)),
+                   np.asarray(r.pipe_finish), np.asarray(r.stage_busy).reshape(H, P), float(r.step_time),
+                   float(r.bubble))
+
+
 class Plan:
     """A step's plan (wraps the C++ Plan; its arrays are zero-copy read-only numpy views).
 
@@ -99,8 +138,9 @@ class Plan:
     """
 
     def __init__(self, cplan: "_C.planner.Plan", lengths: Optional[np.ndarray] = None,
-                 units: Optional[UnitMap] = None) -> None:
+                 units: Optional[UnitMap] = None, options: Optional["_C.planner.PlanOptions"] = None) -> None:
         self._p = cplan
+        self._options = options
         if lengths is None:  # every token is held exactly once: lengths are the segments' sums
             lengths = np.bincount(np.asarray(cplan.seg_seq), weights=np.asarray(cplan.seg_tokens),
                                   minlength=int(cplan.num_sequences)).astype(np.int64)
@@ -121,7 +161,7 @@ class Plan:
 
     def with_units(self, units: Optional[UnitMap]) -> "Plan":
         """The same plan over another map of its units to global ranks."""
-        return Plan(self._p, self.lengths, units)
+        return Plan(self._p, self.lengths, units, self._options)
 
     # predictions (the default cost model's, or the profile's)
     @property
@@ -189,6 +229,67 @@ class Plan:
         """The strategy that built this plan: ``"pow2"`` when ``"balanced"`` kept the power-of-two
         plan because it replays shorter."""
         return self._p.strategy
+
+    # pipelines (pp > 1)
+    @property
+    def pp(self) -> int:
+        """The pipeline depth the plan was made for (1: no pipeline parallelism)."""
+        return int(self._p.pp)
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the micro-batches carry pipeline slots (``pp`` > 1 or a ``pp-*`` strategy)."""
+        return bool(self._p.pipelined)
+
+    @property
+    def slots(self) -> np.ndarray:
+        """Per micro-batch (indexed like ``raw.mb_cost``) its 1F1B schedule slot in its pipeline:
+        increasing along a pipeline's list (a gap is an empty slot), a ring's members hold it at
+        the same slot. Empty for a plan without pipelines."""
+        return self._p.mb_slot
+
+    def micro_batch_slots(self, rank: int) -> List[int]:
+        """The 1F1B slots of global rank ``rank``'s micro-batches (those of its unit, in the order of
+        :meth:`micro_batches`); a pipeline's stage runs slot k's forward and backward where 1F1B
+        puts slot k, skipping the empty slots between them. ValueError for a plan without slots."""
+        if not self.pipelined:
+            raise ValueError("Plan.micro_batch_slots: the plan has no pipeline slots (made with pp = 1 and a "
+                             "strategy other than pp-balance / pp-lockstep)")
+        unit = rank if self.units.is_identity else self.units.unit_of(rank)
+        if not 0 <= unit < self.world_size:
+            raise IndexError(f"Plan.micro_batch_slots: rank {rank} outside [0, {self.world_size})")
+        rank_mb = self._p.rank_mb
+        return self.slots[int(rank_mb[unit]):int(rank_mb[unit + 1])].tolist()
+
+    def check_pp(self, stages: int) -> None:
+        """Raises ValueError naming both depths when the plan was made for another pipeline depth
+        than ``stages`` (what a runtime of ``stages`` stages calls before executing it)."""
+        _C.planner.check_pipeline_depth(self._p, int(stages))
+
+    def pipeline_replay(self, fwd: Optional[np.ndarray] = None, bwd: Optional[np.ndarray] = None,
+                        p2p: Optional[Sequence[float]] = None) -> PipelineReplay:
+        """Replays a pipelined plan under 1F1B: its own predictions by default, or per micro-batch
+        and stage ``fwd`` / ``bwd`` seconds (``[micro-batches, stages]``) with per micro-batch
+        stage-to-stage transfer seconds ``p2p`` (all three together).
+
+        Raises:
+            ValueError: the plan has no pipeline slots, or malformed durations.
+        """
+        if fwd is None and bwd is None and p2p is None:
+            return PipelineReplay._wrap(_C.planner.pipeline_replay(self._p))
+        if fwd is None or bwd is None or p2p is None:
+            raise ValueError("pipeline_replay: give fwd, bwd and p2p together (or none of them)")
+        arrs = [np.ascontiguousarray(x, dtype=np.float64).reshape(-1) for x in (fwd, bwd, p2p)]
+        return PipelineReplay._wrap(_C.planner.pipeline_replay(self._p, *arrs))
+
+    @property
+    def bubble(self) -> float:
+        """The pipelined step's idle share over every stage (:class:`PipelineReplay`); for a plan
+        without pipelines, the idle share of the flat step (``idle().sum() / (world x makespan)``)."""
+        if self.pipelined:
+            return self.pipeline_replay().bubble
+        m = self.makespan
+        return float(np.asarray(self.idle()).sum() / (self.world_size * m)) if m > 0 else 0.0
 
     @property
     def raw(self) -> "_C.planner.Plan":
@@ -314,6 +415,27 @@ class Plan:
         sel = np.nonzero(sizes > 1)[0]
         return {int(k): int(v) for k, v in zip(np.asarray(p.seg_seq)[sel], sizes[sel])}
 
+    def ring_reasons(self) -> List[Dict[str, Any]]:
+        """Per sequence (batch order), why its ring has its size and offload ratio
+        (csrc/planner/offload_rule.h): ``ranks``, ``ratio``, ``floor_memory`` (ranks without
+        offloading), ``floor_offload`` (the paper's Eq. 3 minimum when offloading) and ``reason``:
+
+        ``"local"`` (fits one rank), ``"memory"`` (the memory floor), ``"copy-hiding"`` (a smaller
+        ring would need copies that do not hide under the sequence's compute), ``"step"`` (memory
+        and copies allow a smaller ring but it would lengthen the step, or the strategy sized the
+        ring by time) or ``"shape"`` (pow2's power-of-two rounding, static's CP degree).
+
+        Raises:
+            ValueError: the plan was not made by :func:`plan` (e.g. :meth:`from_bytes`): its
+                options are unknown.
+        """
+        if self._options is None:
+            raise ValueError("Plan.ring_reasons: this plan does not carry its planner options "
+                             "(made by Plan.from_bytes?); plan with bytescale.plan(...)")
+        rows = _C.planner.explain_rings(self._p, self.lengths.tolist(), self._options)
+        return [{"ranks": r, "ratio": q, "floor_memory": fm, "floor_offload": fo, "reason": why}
+                for r, q, fm, fo, why in rows]
+
     def to_bytes(self) -> bytes:
         return self._p.to_bytes()
 
@@ -326,6 +448,8 @@ class Plan:
         rings = self.ring_sizes()
         where = (f"ranks={self.world_size}" if self.units.tp == 1 else
                  f"units={self.world_size} x tp={self.units.tp}")
+        if self.pp > 1:
+            where = f"pipelines of {self.pp} stages: {where} (bubble {self.bubble:.3f})"
         return (f"plan[{self.strategy}] {where} micro-batches/{'rank' if self.units.tp == 1 else 'unit'} "
                 f"min={int(mbs.min()) if len(mbs) else 0} max={int(mbs.max()) if len(mbs) else 0} "
                 f"sharded={len(rings)} ring sizes={sorted(rings.values(), reverse=True)[:8]} "
@@ -407,10 +531,38 @@ def static_cp_degree(longest: int, capacity: int, world_size: int) -> int:
                                            _positive_int("world_size", world_size)))
 
 
+def stage_layers(layers: int, pp: int) -> int:
+    """Layers of one pipeline stage when ``layers`` are cut into ``pp`` equal stages (the cost
+    model's ``layers`` for a plan with ``pp`` stages).
+
+    Raises:
+        ValueError: ``pp`` does not divide ``layers`` (naming both), or either is < 1.
+    """
+    return int(_C.planner.stage_layers(_positive_int("layers", layers), _positive_int("pp", pp)))
+
+
+_PIPELINE_KEYS = ("fwd_share", "p2p_bytes_per_token", "p2p_bw", "p2p_latency")
+
+
+OFFLOAD_RULES = ("step", "paper-eq3")
+
+
 def _options(world_size: int, capacity: int, strategy: str, offload: bool, cost: Any,
              speed: Optional[Sequence[float]], memory: Optional[Sequence[float]],
-             static_cp: Optional[int] = None) -> "_C.planner.PlanOptions":
+             static_cp: Optional[int] = None, pp: int = 1,
+             pipeline: Optional[Dict[str, float]] = None,
+             offload_rule: str = "step") -> "_C.planner.PlanOptions":
+    if offload_rule not in OFFLOAD_RULES:
+        raise ValueError(f"plan(): offload_rule must be one of {OFFLOAD_RULES}, got {offload_rule!r}")
     o = _C.planner.PlanOptions()
+    o.offload_rule = offload_rule
+    o.pp = _positive_int("pp", pp)
+    for k, v in (pipeline or {}).items():
+        if k not in _PIPELINE_KEYS:
+            raise ValueError(f"plan(): unknown pipeline option {k!r} (expected {', '.join(_PIPELINE_KEYS)})")
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise ValueError(f"plan(): pipeline option {k} must be a number, got {v!r}")
+        setattr(o, "pp_" + k, float(v))
     o.world_size = _positive_int("world_size", world_size)
     o.capacity = _positive_int("capacity", capacity)
     o.strategy = strategy
@@ -436,6 +588,9 @@ def plan(
     memory: Optional[Sequence[float]] = None,
     verify: bool = False,
     static_cp: Optional[int] = None,
+    pp: int = 1,
+    pipeline: Optional[Dict[str, float]] = None,
+    offload_rule: str = "step",
 ) -> Plan:
     """Plan one global batch.
 
@@ -449,24 +604,41 @@ def plan(
             plan is over its units and carries it).
         capacity: tokens per micro-batch per rank, or per unit (before ``memory`` multipliers;
             integer >= 1).
-        strategy: "balanced" | "naive" | "pow2" | "static".
-        offload: let long sequences offload activations (paper Eq. 3) to use fewer ranks.
+        strategy: "balanced" | "naive" | "pow2" | "static" | "pp-balance" | "pp-lockstep".
+        offload: let long sequences offload activations to use fewer ranks: the paper's Eq. 3
+            sets how few (memory, and copies hidden under the sequence's compute) and, under the
+            default ``offload_rule="step"``, a ring shrinks only where the plan's step does not
+            grow: the plan never replays longer than the same strategy without offloading.
+            :meth:`Plan.ring_reasons` says per sequence which constraint set its ring size.
         cost: a CostModel, a JSON profile path, a dict of coefficients, or None (defaults).
         speed: per-rank relative speeds (heterogeneous clusters).
         memory: per-rank capacity multipliers.
         verify: re-check every invariant in C++ after planning (tests, debugging).
         static_cp: strategy "static" only: the CP degree (must divide ``world_size``; default: the
             smallest power of two holding the batch's longest sequence at the smallest capacity).
+        pp: pipeline depth (stages). With ``pp`` > 1, ``world_size`` counts pipelines (the HDP
+            units of one stage), ``cost.layers`` is one stage's (:func:`stage_layers`), and
+            ``capacity`` is tokens per micro-batch per unit of a stage; the plan carries slots and
+            its makespan is the 1F1B step (module docstring).
+        pipeline: the pipeline replay's terms: ``fwd_share`` (the forward's share of a stage's
+            forward + backward, default 1/3), ``p2p_bytes_per_token`` (activation bytes per token
+            sent between stages, default 8192), ``p2p_bw`` (bytes/s, default 50e9) and
+            ``p2p_latency`` (s, default 1e-5).
+        offload_rule: ``"step"`` (default, above) or ``"paper-eq3"``: the paper's literal Eq. 3,
+            kept for the ablation: naive and pow2 put every long sequence on its Eq. 3 minimum
+            ring whatever that does to the step (a 2M-token sequence on 16 ranks whose ring then
+            is the step).
     Raises:
         ValueError: bad input, naming the index/field and value (a length that is not an integer
             >= 1, a NaN or negative cost coefficient, world size 0, a sequence needing more ranks
-            than exist, a static CP degree that does not divide the world, ...).
+            than exist, a static CP degree that does not divide the world, pp < 1, an unknown
+            pipeline option, speed/memory multipliers with a pp-* strategy, ...).
     """
     units = world_size if isinstance(world_size, UnitMap) else None
     arr = _lengths_array(lengths)
     opts = _options(units.num_units if units else world_size, capacity, strategy, offload, cost, speed, memory,
-                    static_cp)
-    p = Plan(_C.planner.make_plan(arr, opts), arr, units)
+                    static_cp, pp, pipeline, offload_rule)
+    p = Plan(_C.planner.make_plan(arr, opts), arr, units, opts)
     if verify:
         p.raw.verify(arr.tolist(), opts)
     return p

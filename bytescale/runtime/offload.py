@@ -4,12 +4,17 @@
         loss = model(input_ids, position_ids) ...
         loss.backward()
 
-During forward, every saved activation whose first dimension is the micro-batch's token dimension
-(``seq_len``; any leading size if None) and that is at least ``min_bytes`` large has the leading
-``ratio`` share of its tokens copied to a host-memory pool by the C++ engine
-(csrc/offload/offload.cpp), off the compute thread; the rest stays in place. A tensor saved by
-several ops (the normed input of the q, k and v projections) is copied once. Backward fetches them
-in reverse order, prefetching the next ``prefetch_depth`` ones while the current one is used.
+During forward, the saved activations whose first dimension is the micro-batch's token dimension
+(``seq_len``; any leading size if None) and that are at least ``min_bytes`` large are split at pack
+time, without copying: whole tensors go to a host-memory pool (the C++ engine,
+csrc/offload/offload.cpp, off the compute thread) until ``ratio`` of their bytes went, in the order
+they are saved (each one goes when that brings the share offloaded so far closest to ``ratio``);
+the others stay in place untouched. An offloaded tensor's memory is freed once its copy is done and
+forward drops it; in backward it comes back into ONE new tensor of its sizes and strides,
+allocated for the consumer (no clone of kept rows, no concatenation: a tensor is a single
+allocation, so offloading part of one would free nothing). A tensor saved by several ops (the normed
+input of the q, k and v projections) is copied once. Backward fetches them in reverse order,
+prefetching the next ``prefetch_depth`` ones while the current one is used.
 Parameters and small tensors are never offloaded. Values are restored bit for bit, so gradients
 are identical to training without offloading; the context composes with activation checkpointing
 (non-reentrant) and with :class:`bytescale.HybridDataParallel`.
@@ -46,13 +51,12 @@ class _Handle:
     keeps weak references), so a step's restored activations are freed with its graph; a handle
     that dies unfetched (no backward ran) returns its engine entry and host buffer."""
 
-    __slots__ = ("id", "tensor", "index", "stride", "engine", "__weakref__")
+    __slots__ = ("id", "tensor", "index", "engine", "__weakref__")
 
-    def __init__(self, engine, hid: int, index: int, stride=None) -> None:
+    def __init__(self, engine, hid: int, index: int) -> None:
         self.engine = engine
         self.id = hid
         self.index = index
-        self.stride = stride  # original strides of a non-contiguous (dense) tensor
         self.tensor: Optional[torch.Tensor] = None
 
     def __del__(self) -> None:
@@ -69,11 +73,13 @@ class OffloadStats:
         self.offloaded_bytes = 0  # bytes moved to the host pool
         self.kept_tensors = 0  # distinct saved tensors (parameters excluded) kept in place
         self.kept_bytes = 0  # bytes of saved activations that stayed in place (each tensor once)
+        self.eligible_bytes = 0  # bytes of the distinct tensors that could go (the ratio's base)
         self.shared_tensors = 0  # saves of a tensor already offloaded (one copy serves all)
 
 
 class offload(torch.autograd.graph.saved_tensors_hooks):
-    """Context manager offloading ``ratio`` of each large saved activation (see module doc)."""
+    """Context manager offloading ``ratio`` of the bytes of the large saved activations, whole
+    tensors at a time (see module doc)."""
 
     def __init__(self, ratio: float, seq_len: Optional[int] = None, min_bytes: int = 1 << 16,
                  prefetch_depth: int = 2, engine: Optional["_C.offload.Engine"] = None) -> None:
@@ -126,15 +132,22 @@ class offload(torch.autograd.graph.saved_tensors_hooks):
         if h is not None:  # one copy serves every op that saved this tensor
             self.stats.shared_tensors += 1
             return h
-        # Restore the exact strides too: kernels (BLAS) may round differently on other layouts.
-        stride = None if t.is_contiguous() else t.stride()
-        h = _Handle(self.engine, self.engine.offload(t.detach(), self.ratio), len(self._packed), stride)
+        if seen:  # saved before and kept in place: it still is
+            return t
+        st = self.stats
+        st.eligible_bytes += total
+        if st.offloaded_bytes + total / 2 > self.ratio * st.eligible_bytes:
+            st.kept_tensors += 1
+            st.kept_bytes += total
+            self._by_id[id(t)] = (weakref.ref(t), t._version, None)
+            return t
+        # The engine restores the exact sizes and strides (kernels such as BLAS may round
+        # differently on another layout), so values and gradients are bit-identical.
+        h = _Handle(self.engine, self.engine.offload(t.detach()), len(self._packed))
         self._packed.append(weakref.ref(h))
         self._by_id[id(t)] = (weakref.ref(t), t._version, weakref.ref(h))
-        off = int(round(self.ratio * t.shape[0])) * (t.numel() // max(1, t.shape[0])) * t.element_size()
-        self.stats.offloaded_tensors += 1
-        self.stats.offloaded_bytes += off
-        self.stats.kept_bytes += total - off
+        st.offloaded_tensors += 1
+        st.offloaded_bytes += total
         return h
 
     def _unpack(self, x):
@@ -146,12 +159,7 @@ class offload(torch.autograd.graph.saved_tensors_hooks):
                 nxt = self._packed[j]()
                 if nxt is not None and nxt.tensor is None:
                     self.engine.prefetch(nxt.id)
-            y = self.engine.fetch(x.id)
-            if x.stride is not None:
-                z = torch.empty_strided(y.shape, x.stride, dtype=y.dtype, device=y.device)
-                z.copy_(y)
-                y = z
-            x.tensor = y
+            x.tensor = self.engine.fetch(x.id)
         return x.tensor
 
 

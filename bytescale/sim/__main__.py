@@ -9,7 +9,10 @@ line, ``#`` comments) or a token store (``--lengths DIR``, what ``bytescale.data
 every document's length, the whole corpus as one global batch). Documents longer than
 ``--context`` are cut into pieces of at most that many tokens. ``--tp T`` makes an HDP unit of T
 GPUs of one node (tensor parallelism inside it; every strategy, the static DP x CP baseline
-included, plans the ``gpus / T`` units). The JSON holds, per strategy, ``step_time_s``,
+included, plans the ``gpus / T`` units). ``--pp P`` cuts the model into P pipeline stages (1F1B;
+P must divide its layers): every strategy plans the ``gpus / (T x P)`` pipelines, and "all" adds
+the pipeline schedules ``lockstep`` (Megatron's lockstep slots) and ``hdp-pp-balance``
+(PP-Balance). The JSON holds, per strategy, ``step_time_s``,
 ``tokens_per_s``, ``mfu`` and the breakdown.
 """
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from .strategies import STRATEGIES
+from .strategies import PP_STRATEGIES, STRATEGIES
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -87,10 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--tp", type=int, default=1, help="tensor parallelism: GPUs per HDP unit, inside a node "
                    "(must divide --gpus-per-node and the model's heads)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B; must divide the model's layers); "
+                   "the HDP pool of a stage is its units")
     p.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE models): experts sharded over "
                    "blocks of EP HDP units; prices the all-to-alls and the EP lockstep")
     p.add_argument("--context", default="2M", help="longest sequence; longer documents are split (2M, 256K, ...)")
-    p.add_argument("--strategy", default="all", help=f"{', '.join(STRATEGIES)} or all (comma-separated list allowed)")
+    p.add_argument("--strategy", default="all", help=f"{', '.join(list(STRATEGIES) + list(PP_STRATEGIES))} or all "
+                   "(comma-separated list allowed; all = the first six, plus the last two with --pp > 1)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--png", help="per-rank timeline PNG")
     p.add_argument("--capacity", default=None, help="tokens per micro-batch per HDP unit (one GPU, or --tp "
@@ -119,10 +125,14 @@ def _run(args: argparse.Namespace) -> int:
     from .strategies import split_at_context
 
     context = parse_tokens(args.context, "context")
-    names = list(STRATEGIES) if args.strategy == "all" else [s.strip() for s in args.strategy.split(",")]
+    known = list(STRATEGIES) + list(PP_STRATEGIES)
+    names = ((list(STRATEGIES) + (list(PP_STRATEGIES) if args.pp > 1 else [])) if args.strategy == "all"
+             else [s.strip() for s in args.strategy.split(",")])
     for n in names:
-        if n not in STRATEGIES:
-            raise ValueError(f"--strategy {n!r}: unknown; choose from {', '.join(STRATEGIES)} or all")
+        if n not in known:
+            raise ValueError(f"--strategy {n!r}: unknown; choose from {', '.join(known)} or all")
+    if args.pp < 1:
+        raise ValueError(f"--pp {args.pp}: must be an integer >= 1")
     if args.gpus < 1 or args.gpus_per_node < 1:
         raise ValueError(f"--gpus {args.gpus} / --gpus-per-node {args.gpus_per_node}: must be >= 1")
     if args.corpus is not None:
@@ -141,10 +151,13 @@ def _run(args: argparse.Namespace) -> int:
     cap = parse_tokens(args.capacity, "capacity") if args.capacity is not None else None
     t0 = time.perf_counter()
     results = simulate_batch(lengths, args.model, args.gpus, args.gpus_per_node, names, args.cluster,
-                             cap, args.efficiency, args.profile, tp=args.tp, ep=args.ep)
+                             cap, args.efficiency, args.profile, tp=args.tp, pp=args.pp, ep=args.ep)
     took = time.perf_counter() - t0
     cap = results[0].info["capacity"]
     units = (f", TP {args.tp}: {args.gpus // args.tp} HDP units of {args.tp} GPUs" if args.tp > 1 else "")
+    if args.pp > 1:
+        units += (f", PP {args.pp}: {args.gpus // (args.tp * args.pp)} pipelines of {args.pp} stages "
+                  f"({results[0].info.get('stage_layers')} layers each)")
     units += f", EP {args.ep}" if args.ep > 1 else ""
     head = (f"{source}: {len(lengths)} sequences, {int(lengths.sum()):,} tokens, longest {int(lengths.max()):,}; "
             f"model {args.model}, {args.gpus} GPUs ({args.gpus_per_node}/node, {args.cluster}){units}, "
@@ -153,7 +166,7 @@ def _run(args: argparse.Namespace) -> int:
     print(table(results))
     if args.json:
         doc = {"config": {"source": source, "model": args.model, "gpus": args.gpus,
-                          "gpus_per_node": args.gpus_per_node, "tp": args.tp, "ep": args.ep, "context": context, "capacity": cap,
+                          "gpus_per_node": args.gpus_per_node, "tp": args.tp, "pp": args.pp, "ep": args.ep, "context": context, "capacity": cap,
                           "cluster": args.cluster, "profile": args.profile, "efficiency": args.efficiency,
                           "sequences": int(len(lengths)), "tokens": int(lengths.sum()), "seed": args.seed,
                           "simulation_s": took},

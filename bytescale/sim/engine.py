@@ -24,6 +24,16 @@ model, :mod:`bytescale.sim.model`):
   exposed; a ring of d units is ``tp`` rings in parallel, one per TP index, each GPU moving its
   local K/V heads over its own link (NVLink when the units share a node).
 
+* pipeline parallelism (``Schedule.pp`` = P > 1; :mod:`bytescale.sim.model`): a schedule's rank is
+  a PIPELINE (the unit at each of P stages, each stage ``layers / P`` layers, ``cost`` one stage's);
+  the prices above are one stage's and the same at every stage; a micro-batch's forward is
+  ``FWD_SHARE`` of it, its backward the rest; between stages its activations (forward) and their
+  gradients (backward) cross one link (:func:`~bytescale.sim.model.p2p_terms`). The C++ 1F1B
+  replay (``bytescale._C.planner.pipeline_replay_schedule``, csrc/planner/pipeline.h) runs every
+  stage's warm-up, steady state and cool-down over the schedule's slots, a ring at every stage on
+  its member pipelines at once; the bubble is idle time. Ring links are judged on the first
+  stage's units.
+
 The micro-batch durations go to the C++ replay (``bytescale._C.planner.replay_schedule``): every
 rank runs its micro-batches in order, a ring micro-batch starts when all its members are free, and
 the waiting is idle time (so is a ring member's wait for the ring's slowest member: zig-zag
@@ -54,7 +64,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from .cluster import ClusterSpec
-from .model import ModelShape, check_tp, gpu_params, tp_comm_time
+from .model import FWD_SHARE, ModelShape, check_pp, check_tp, gpu_params, p2p_terms, tp_comm_time
 from .strategies import Schedule
 
 __all__ = ["SimResult", "simulate", "micro_batch_times", "ep_comm_time", "check_ep", "BYTES_PER_TOKEN_READ"]
@@ -90,15 +100,17 @@ class SimResult:
     mb_tp_comm: np.ndarray = field(default_factory=lambda: np.zeros(0))
     tp: int = 1
     info: Dict[str, Any] = field(default_factory=dict)
+    pp: int = 1
+    bubble: float = 0.0  # pp > 1: idle share of the micro-batch phase over every stage (1F1B replay)
 
     @property
     def world(self) -> int:
-        """HDP ranks (units of ``tp`` GPUs)."""
+        """HDP ranks (units of ``tp`` GPUs), or pipelines of ``pp`` such units."""
         return self.schedule.world
 
     @property
     def gpus(self) -> int:
-        return self.schedule.world * self.tp
+        return self.schedule.world * self.tp * self.pp
 
     def breakdown(self) -> Dict[str, float]:
         """Seconds per step, averaged over ranks (they sum to ``step_time_s``)."""
@@ -117,7 +129,7 @@ class SimResult:
                 "per_rank": {"compute_s": _stats(self.compute), "exposed_comm_s": _stats(self.exposed_comm),
                              "tp_comm_s": _stats(self.tp_comm), "offload_s": _stats(self.offload),
                              "idle_s": _stats(self.idle)},
-                "tp": self.tp, "gpus": self.gpus,
+                "tp": self.tp, "pp": self.pp, "bubble": self.bubble, "gpus": self.gpus,
                 "micro_batches": self.schedule.num_micro_batches,
                 "micro_batches_per_rank_max": int(np.diff(self.schedule.rank_mb).max()) if self.world else 0,
                 # the layout: sequences (and tokens) in local micro-batches, i.e. not sharded
@@ -209,15 +221,36 @@ def simulate(s: Schedule, cl: ClusterSpec, shape: ModelShape, cost: Any, tokens:
 
     check_tp(shape, cl, tp)
     check_ep(shape, s.world, ep)
-    if s.world * tp > cl.gpus:
-        raise ValueError(f"schedule for {s.world} ranks" + (f" of {tp} GPUs" if tp > 1 else "")
+    pp = s.pp
+    if pp > 1:
+        check_pp(shape, cl, tp, pp)
+        if ep > 1:
+            raise ValueError(f"ep={ep} with {pp} pipeline stages is not modelled; simulate one of them")
+        if s.mb_slot is None or s.mb_slot.shape != s.mb_ring.shape:
+            raise ValueError(f"schedule for {pp} stages without a slot per micro-batch")
+    if s.world * tp * pp > cl.gpus:
+        raise ValueError(f"schedule for {s.world} {'pipelines' if pp > 1 else 'ranks'}"
+                         + (f" of {tp} GPUs" if tp > 1 else "") + (f" x {pp} stages" if pp > 1 else "")
                          + f" on a cluster of {cl.gpus} devices")
     t = micro_batch_times(s, cl, cost, tp, tp_comm_time(shape, cl, tp))
     if ep > 1:
         per_token, per_call = ep_comm_time(shape, cl, tp, ep)
         t["comm"] = t["comm"] + float(shape.layers) * (per_token * s.mb_tokens + per_call * (s.mb_tokens > 0))
     dur = t["compute"] + t["comm"] + t["tp_comm"] + t["offload"]
-    if ep > 1:
+    bubble = 0.0
+    if pp > 1:
+        per_token, bw, lat = p2p_terms(shape, cl, tp, pp)
+        p2p = lat + per_token * s.mb_tokens / bw
+        fwd = np.repeat(FWD_SHARE * dur, pp)
+        bwd = np.repeat(dur, pp) - fwd
+        prep = _C.planner.pipeline_replay_schedule(s.world, pp, s.rank_mb, s.mb_slot, s.mb_ring, s.ring_grp,
+                                                   s.grp_ranks, fwd, bwd, np.ascontiguousarray(p2p))
+        bubble = float(prep.bubble)
+        rep_step = float(prep.step_time)
+        # the first stage's view: a micro-batch from its forward to its backward there
+        rep_start = np.asarray(prep.fwd_start).reshape(-1, pp)[:, 0]
+        rep_end = np.asarray(prep.bwd_end).reshape(-1, pp)[:, 0]
+    elif ep > 1:
         from ..planner import ep_slot_replay, schedule_lockstep, sort_local_slots
 
         slots = sort_local_slots(schedule_lockstep(s.world, s.rank_mb, s.mb_ring, s.ring_grp, s.grp_ranks),
@@ -229,7 +262,7 @@ def simulate(s: Schedule, cl: ClusterSpec, shape: ModelShape, cost: Any, tokens:
                                          np.ascontiguousarray(dur))
         rep_start, rep_end, rep_step = np.asarray(rep.mb_start), np.asarray(rep.mb_end), float(rep.step_time)
     if grad_bytes is None:
-        grad_bytes = 2.0 * gpu_params(shape, tp)
+        grad_bytes = 2.0 * gpu_params(shape, tp, pp)
         if ep > 1:  # each GPU holds 1/ep of the experts (their gradients sum over ranks holding the same)
             grad_bytes -= 2.0 * shape.layers * 3 * shape.hidden * shape.ffn * shape.experts / tp * (1 - 1 / ep)
     sync = cl.allreduce_time(grad_bytes, s.world, max(1, cl.gpus_per_node // tp))
@@ -248,11 +281,13 @@ def simulate(s: Schedule, cl: ClusterSpec, shape: ModelShape, cost: Any, tokens:
     return SimResult(
         strategy=s.strategy, step_time_s=step, tokens=int(tokens),
         tokens_per_s=tokens / step if step > 0 else float("inf"),
-        mfu=flops / (step * s.world * tp * cl.peak_flops) if step > 0 else 0.0,
+        mfu=flops / (step * s.world * tp * pp * cl.peak_flops) if step > 0 else 0.0,
+        pp=pp, bubble=bubble,
         compute=comp, exposed_comm=comm, offload=off, idle=idle, grad_sync_s=sync, data_stall_s=stall,
         step_overhead_s=float(step_overhead_s),
         mb_start=rep_start + stall, mb_end=rep_end + stall,
         mb_compute=t["compute"], mb_comm=t["comm"], mb_offload=t["offload"], schedule=s,
         tp_comm=tpc, mb_tp_comm=t["tp_comm"], tp=tp,
         info={"planner_predicted_step_s": s.planner_step, "replay_step_s": rep_step, "ep": ep,
+              **({"p2p_s": float(p2p.sum())} if pp > 1 else {}),
               **s.info})

@@ -30,6 +30,16 @@ replicated head are computed on every GPU that holds it). Per GPU and layer:
   local K/V heads only (a ring of d units runs once per TP index, the T rings in parallel on the
   GPUs' own links).
 
+Pipeline parallelism (``pp`` = P > 1, 1F1B): the layers are cut into P equal stages (P must divide
+them, :func:`check_pp`); an HDP unit of a stage holds ``layers / P`` layers, the cost model is one
+stage's (``layers / P``; the LM head's work spread over the layers as above, so the stages are
+uniform), a GPU stores ``1/P`` of the layers plus the embedding (or the LM head, on the last stage);
+1F1B keeps up to P micro-batches in flight on the first stage, so a micro-batch's activations take
+``P x layers / P = layers`` layers' worth of memory per token (the capacity of a unit is what fits
+that). Between stages a micro-batch's activations (and their gradients, backward) move as
+``hidden x 2 / tp`` bytes per token per GPU (bf16, sequence-parallel shards) over the inter-node
+link when a stage spans at least a node, NVLink otherwise (:func:`p2p_terms`).
+
 ``efficiency`` (default 0.4, i.e. ~400 TFLOP/s attained on an H100, the figure the planner's
 default cost model assumes) is a stated assumption, the same for every strategy. A measured profile
 (``bytescale.profile`` JSON) replaces a1, b1, g, a2, b2 and layers: :func:`cost_model`.
@@ -52,7 +62,9 @@ from .cluster import ClusterSpec
 
 __all__ = ["ModelShape", "MODELS", "model_shape", "cost_model", "default_capacity", "DEFAULT_EFFICIENCY",
            "LAYER_OVERHEAD_S", "check_tp", "local_heads", "gpu_layer_params", "gpu_params", "act_bytes_per_token",
-           "tp_comm_time", "planner_cost"]
+           "tp_comm_time", "planner_cost", "check_pp", "p2p_terms", "FWD_SHARE"]
+
+FWD_SHARE = 1.0 / 3.0  # the forward's share of a micro-batch's forward + backward time
 
 DEFAULT_EFFICIENCY = 0.4
 LAYER_OVERHEAD_S = 1e-4
@@ -168,10 +180,45 @@ def gpu_layer_params(shape: ModelShape, tp: int = 1) -> float:
     return (2 * shape.hidden * shape.heads * shape.head_dim + mlp) / tp + 2 * shape.hidden * kv * shape.head_dim
 
 
-def gpu_params(shape: ModelShape, tp: int = 1) -> float:
+def check_pp(shape: ModelShape, cl: ClusterSpec, tp: int, pp: int) -> int:
+    """The number of pipelines (HDP units per stage) of ``gpus / (tp x pp)``; ValueError naming the
+    values when ``pp`` is not an integer >= 1, does not divide the model's layers (the planner's
+    :func:`bytescale.planner.stage_layers`) or the cluster is not whole pipelines."""
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise ValueError(f"pp must be an integer >= 1, got {pp!r}")
+    check_tp(shape, cl, tp)
+    from ..planner import stage_layers
+
+    try:
+        stage_layers(shape.layers, pp)
+    except ValueError as e:
+        raise ValueError(f"model {shape.name}: {e}") from None
+    if cl.gpus % (tp * pp):
+        raise ValueError(f"tp {tp} x pp {pp} = {tp * pp} GPUs per pipeline does not divide the cluster's "
+                         f"{cl.gpus} GPUs")
+    return cl.gpus // (tp * pp)
+
+
+def p2p_terms(shape: ModelShape, cl: ClusterSpec, tp: int, pp: int) -> Tuple[float, float, float]:
+    """(bytes per token, bytes/s, latency s) of one stage-to-stage transfer on one GPU (module
+    docstring): a stage is ``gpus / pp`` GPUs, on NVLink with its neighbour only when that is less
+    than a node."""
+    bw, lat = cl.link(cl.gpus // pp >= cl.gpus_per_node)
+    return 2.0 * shape.hidden / tp, bw, lat
+
+
+def gpu_params(shape: ModelShape, tp: int = 1, pp: int = 1) -> float:
     """Parameters stored on one GPU of a TP group (``params`` at tp = 1): every matrix split
     ``tp`` ways (embeddings and LM head vocab-parallel), replicated K/V heads' projections whole,
-    norms replicated."""
+    norms replicated. With ``pp`` stages: the largest stage's, ``layers / pp`` layers plus the
+    embedding (the first stage; the last holds the LM head instead)."""
+    if pp > 1:
+        _, kv = local_heads(shape, tp)
+        q_o = 2 * shape.hidden * shape.heads * shape.head_dim
+        kv_proj = 2 * shape.hidden * kv * shape.head_dim
+        mlp = 3 * shape.hidden * shape.ffn * max(1, shape.experts) + shape.hidden * shape.experts
+        layer = (q_o + mlp) / tp + kv_proj + 2 * shape.hidden
+        return shape.layers // pp * layer + shape.vocab * shape.hidden / tp + shape.hidden
     if tp == 1:
         return float(shape.params)
     _, kv = local_heads(shape, tp)
@@ -270,11 +317,13 @@ def model_shape(name: str) -> ModelShape:
 
 
 def cost_model(shape: ModelShape, cl: ClusterSpec, efficiency: float = DEFAULT_EFFICIENCY,
-               profile: Optional[str] = None, tp: int = 1) -> Any:
+               profile: Optional[str] = None, tp: int = 1, pp: int = 1) -> Any:
     """The :class:`bytescale.planner.CostModel` of one HDP unit's compute for ``shape`` on ``cl``
     (one GPU at ``tp`` = 1; per GPU of a TP group of ``tp`` otherwise: its local heads and slices,
     its activation bytes and K/V ring traffic; the TP collectives are priced apart, see
     :func:`planner_cost`).
+
+    ``pp`` > 1: one pipeline stage's (``layers / pp`` layers, :func:`check_pp`).
 
     Without ``profile``: derived from FLOPs at ``efficiency`` (module docstring). With ``profile``
     (a JSON written by ``bytescale.profile``, or ``"default"`` for the planner's built-in
@@ -288,6 +337,11 @@ def cost_model(shape: ModelShape, cl: ClusterSpec, efficiency: float = DEFAULT_E
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
     check_tp(shape, cl, tp)
+    if pp != 1:
+        check_pp(shape, cl, tp, pp)
+    if profile is not None and pp > 1:
+        raise ValueError(f"a cost profile ({profile!r}) measures a whole model on one device; pp {pp} needs "
+                         "the FLOP-derived cost model (leave out the profile)")
     if profile is not None and tp > 1:
         raise ValueError(f"a cost profile ({profile!r}) measures one device without tensor parallelism; "
                          f"tp {tp} needs the FLOP-derived cost model (leave out the profile)")
@@ -306,7 +360,7 @@ def cost_model(shape: ModelShape, cl: ClusterSpec, efficiency: float = DEFAULT_E
         cm.g = LAYER_OVERHEAD_S
         cm.a2 = act_bytes_per_token(shape, tp)
         cm.b2 = 0.0
-        cm.layers = shape.layers
+        cm.layers = shape.layers // pp
         cm.bw_d2h = cm.bw_h2d = cl.host_bw
     bw, lat = cl.link(cl.gpus > cl.gpus_per_node)
     cm.ring_bw = bw
@@ -318,7 +372,7 @@ def cost_model(shape: ModelShape, cl: ClusterSpec, efficiency: float = DEFAULT_E
     return cm
 
 
-def default_capacity(shape: ModelShape, cl: ClusterSpec, cm: Any, tp: int = 1) -> int:
+def default_capacity(shape: ModelShape, cl: ClusterSpec, cm: Any, tp: int = 1, pp: int = 1) -> int:
     """Tokens per micro-batch per HDP unit (one device at ``tp`` = 1, else ``tp`` devices holding a
     1/tp share of its activations, ``cm.a2`` being per device) that fit in memory, rounded down to
     a power of two.
@@ -327,18 +381,19 @@ def default_capacity(shape: ModelShape, cl: ClusterSpec, cm: Any, tp: int = 1) -
     replicated over the HDP units, fp32 master weights and Adam moments (12 bytes/param) sharded
     over them (ZeRO-1); if the replicated part exceeds 40% of the device, everything is sharded
     (FSDP) and two layers' weights are gathered at a time. 90% of the device is usable; the rest
-    holds activations at ``layers x Act(1)`` bytes per token.
+    holds activations at ``layers x Act(1)`` bytes per token. With ``pp`` stages (``cm`` one stage's):
+    the largest stage's states, sharded over the stage's units, and ``pp`` micro-batches of
+    ``layers / pp`` layers in flight (1F1B's first stage), i.e. the same ``layers x Act(1)``.
     """
-    check_tp(shape, cl, tp)
-    p = gpu_params(shape, tp)
-    units = cl.gpus // tp
+    units = check_pp(shape, cl, tp, pp)
+    p = gpu_params(shape, tp, pp)
     replicated = 4.0 * p
     if replicated > 0.4 * cl.gpu_memory:
-        states = 16.0 * p / units + 2 * 4.0 * p / shape.layers
+        states = 16.0 * p / units + 2 * 4.0 * p / (shape.layers // pp)
     else:
         states = replicated + 12.0 * p / units
     free = 0.9 * cl.gpu_memory - states
-    per_token = cm.layers * cm.act(1.0)
+    per_token = cm.layers * pp * cm.act(1.0)
     tokens = int(free // per_token) if free > 0 else 0
     if tokens < 1:
         raise ValueError(f"model {shape.name}: no activation memory left on a {cl.gpu_memory / 1e9:.0f} GB "

@@ -13,21 +13,24 @@ __all__ = ["table", "timeline_png", "sample_ranks"]
 def table(results: Sequence[SimResult], baseline: Optional[str] = "static") -> str:
     """A fixed-width table: step time, tokens/s, MFU, speed-up over ``baseline`` (when present)
     and the mean per-rank breakdown as shares of the step (a ``tp`` column for the TP collectives
-    when any result has tensor parallelism)."""
+    when any result has tensor parallelism; a ``bubble`` column, the 1F1B replay's idle share of the
+    micro-batch phase, when any has pipelines)."""
     base = next((r for r in results if r.strategy == baseline), None)
     with_tp = any(r.tp > 1 for r in results)
-    head = (f"{'strategy':<12} {'step (s)':>10} {'tokens/s':>12} {'MFU':>6} {'speed-up':>8} "
+    with_pp = any(r.pp > 1 for r in results)
+    head = (f"{'strategy':<14} {'step (s)':>10} {'tokens/s':>12} {'MFU':>6} {'speed-up':>8} "
             f"{'compute':>8} {'comm':>6}{' ' + format('tp', '>6') if with_tp else ''} {'offload':>7} "
-            f"{'idle':>6} {'sync':>6} {'data':>6}  max ring")
+            f"{'idle':>6}{' ' + format('bubble', '>6') if with_pp else ''} {'sync':>6} {'data':>6}  max ring")
     lines = [head, "-" * len(head)]
     for r in results:
         b = r.breakdown()
         sh = {k: v / r.step_time_s if r.step_time_s else 0.0 for k, v in b.items()}
         up = f"{base.step_time_s / r.step_time_s:.2f}x" if base is not None and r.step_time_s else "-"
         tpc = f" {sh['tp_comm_s']:>6.1%}" if with_tp else ""
-        lines.append(f"{r.strategy:<12} {r.step_time_s:>10.3f} {r.tokens_per_s:>12.4g} {r.mfu:>6.3f} {up:>8} "
+        bub = f" {r.bubble:>6.1%}" if with_pp else ""
+        lines.append(f"{r.strategy:<14} {r.step_time_s:>10.3f} {r.tokens_per_s:>12.4g} {r.mfu:>6.3f} {up:>8} "
                      f"{sh['compute_s']:>8.1%} {sh['exposed_comm_s']:>6.1%}{tpc} {sh['offload_s']:>7.1%} "
-                     f"{sh['idle_s']:>6.1%} {sh['grad_sync_s']:>6.1%} {sh['data_stall_s']:>6.1%}  "
+                     f"{sh['idle_s']:>6.1%}{bub} {sh['grad_sync_s']:>6.1%} {sh['data_stall_s']:>6.1%}  "
                      f"{r.info.get('max_ring', 1)}")
     return "\n".join(lines)
 

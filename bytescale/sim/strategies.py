@@ -10,10 +10,23 @@ pow2          Megatron-style dynamic CP: each long sequence on a power-of-two gr
               (``bytescale.plan(strategy="pow2")``)
 hdp           HDP with dynamic communication only: any-integer ring sizes, memory-driven, token-
               balanced (the paper's Alg. 1, ``strategy="naive"``)
-hdp-offload   + selective activation offloading (Eq. 3, ``offload=True``)
+hdp-offload   + selective activation offloading (``offload=True``: Eq. 3 under the step's clock, a
+              ring shrinks only where the step does not grow)
+hdp-offload-eq3  the same with the paper's literal Eq. 3 (``offload_rule="paper-eq3"``: every long
+              sequence on its Eq. 3 minimum ring), for the ablation
 hdp-balance   + the balance scheduler (bytescale's sync-aware ``strategy="balanced"``, offloading on)
 hdp-full      + remote data loading: the same plan, the data-loading stall overlapped
 ============  =======================================================================================
+
+With pipeline parallelism (``pp`` > 1) every strategy plans PIPELINES (the HDP units of one stage)
+with the stage's cost model and gets 1F1B slots (static: DP x CP x TP x PP, each CP group's
+micro-batches through its pipelines; the HDP strategies: DP-Balance's per-pipeline order, rings
+aligned at common slots), and two more compare pipeline schedules (:data:`PP_STRATEGIES`):
+
+==============  =====================================================================================
+lockstep        Megatron-LM's dynamic CP with PP: every pipeline the same slots (``"pp-lockstep"``)
+hdp-pp-balance  HDP + PP-Balance (the paper's Alg. 2), offloading, remote loading (``"pp-balance"``)
+==============  =====================================================================================
 
 A :class:`Schedule` holds exactly the arrays the C++ replay takes (``rank_mb``, ``mb_ring``,
 ``ring_grp``, ``grp_ranks``; see csrc/planner/replay.h) plus what the engine prices per micro-batch:
@@ -23,20 +36,28 @@ documents), the ring size, the offload ratio and the number of documents.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 import numpy as np
 
-__all__ = ["STRATEGIES", "Schedule", "build_schedule", "schedule_from_plan", "static_schedule", "split_at_context"]
+__all__ = ["STRATEGIES", "PP_STRATEGIES", "Schedule", "build_schedule", "schedule_from_plan", "static_schedule", "split_at_context"]
 
-# name -> (planner strategy or "static", offload, loader model)
-STRATEGIES: Dict[str, Tuple[str, bool, str]] = {
+# name -> (planner strategy or "static", offload (False, True = the "step" rule, or a rule's name),
+# loader model)
+STRATEGIES: Dict[str, Tuple[str, Union[bool, str], str]] = {
     "static": ("static", False, "local"),
     "pow2": ("pow2", False, "global"),
     "hdp": ("naive", False, "global"),
     "hdp-offload": ("naive", True, "global"),
+    "hdp-offload-eq3": ("naive", "paper-eq3", "global"),
     "hdp-balance": ("balanced", True, "global"),
     "hdp-full": ("balanced", True, "remote"),
+}
+
+# the pipeline schedules' comparison (any pp; part of "all" when pp > 1)
+PP_STRATEGIES: Dict[str, Tuple[str, bool, str]] = {
+    "lockstep": ("pp-lockstep", False, "global"),
+    "hdp-pp-balance": ("pp-balance", True, "remote"),
 }
 
 
@@ -64,6 +85,8 @@ class Schedule:
     loader: str
     planner_step: float = float("nan")  # the planner's own prediction (its cost model), seconds
     info: Dict[str, Any] = field(default_factory=dict)
+    pp: int = 1                         # pipeline stages (world = pipelines when > 1)
+    mb_slot: Optional[np.ndarray] = None  # int64 [M]: 1F1B slot in its pipeline (pp > 1)
 
     @property
     def num_micro_batches(self) -> int:
@@ -128,18 +151,20 @@ def schedule_from_plan(name: str, plan: Any, lengths: np.ndarray, loader: str) -
         mb_offload=np.asarray(p.mb_offload, dtype=np.float64), mb_docs=docs, loader=loader,
         planner_step=float(plan.makespan),
         info={"rings": int(p.num_rings), "max_ring": int(sizes.max()) if sizes.size else 1,
-              "planner_bound": float(plan.lower_bound)})
+              "planner_bound": float(plan.lower_bound)},
+        pp=int(plan.pp) if plan.pipelined else 1,
+        mb_slot=np.asarray(plan.slots, dtype=np.int64) if plan.pipelined else None)
 
 
 def static_schedule(lengths: np.ndarray, world: int, capacity: int, cp: Optional[int] = None,
-                    cost: Any = None) -> Schedule:
+                    cost: Any = None, pp: int = 1, pipeline: Optional[Dict[str, float]] = None) -> Schedule:
     """The static DP x CP baseline's schedule: the planner's ``static`` strategy (``cp``: its CP
     degree, default sized for the longest sequence; ``cost``: the cost model of the planner's own
-    prediction)."""
+    prediction; ``pp``/``pipeline``: pipelines, see :func:`bytescale.planner.plan`)."""
     from ..planner import plan as make_plan
 
     lengths = np.asarray(lengths, dtype=np.int64)
-    p = make_plan(lengths, world, capacity, strategy="static", cost=cost, static_cp=cp)
+    p = make_plan(lengths, world, capacity, strategy="static", cost=cost, static_cp=cp, pp=pp, pipeline=pipeline)
     sizes = np.asarray(p.raw.seg_ring_size)
     deg = int(sizes.max()) if sizes.size else (cp or 1)
     sched = schedule_from_plan("static", p, lengths, "local")
@@ -148,26 +173,32 @@ def static_schedule(lengths: np.ndarray, world: int, capacity: int, cp: Optional
 
 
 def build_schedule(name: str, lengths: np.ndarray, world: int, capacity: int, cost: Any,
-                   plans: Optional[Dict[Tuple[str, bool], Any]] = None) -> Schedule:
-    """The schedule of strategy ``name`` (:data:`STRATEGIES`) for one global batch.
+                   plans: Optional[Dict[Tuple[str, Union[bool, str]], Any]] = None, pp: int = 1,
+                   pipeline: Optional[Dict[str, float]] = None) -> Schedule:
+    """The schedule of strategy ``name`` (:data:`STRATEGIES` or :data:`PP_STRATEGIES`) for one
+    global batch; with ``pp`` > 1, ``world`` counts pipelines and ``cost`` is one stage's
+    (``pipeline``: the planner's transfer terms, :func:`bytescale.planner.plan`).
 
     ``plans`` caches planner results by (planner strategy, offload) so that hdp-balance and
     hdp-full share one plan. Raises ValueError for an unknown strategy or a batch that does not fit
     (e.g. a sequence needing more ranks than exist).
     """
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)} or all")
-    kind, offload, loader = STRATEGIES[name]
+    table = {**STRATEGIES, **PP_STRATEGIES}
+    if name not in table:
+        raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(table)} or all")
+    kind, offload, loader = table[name]
     lengths = np.asarray(lengths, dtype=np.int64)
     if kind == "static":
-        return static_schedule(lengths, world, capacity, cost=cost)
+        return static_schedule(lengths, world, capacity, cost=cost, pp=pp, pipeline=pipeline)
     from ..planner import plan as make_plan
 
     key = (kind, offload)
     if plans is not None and key in plans:
         p = plans[key]
     else:
-        p = make_plan(lengths, world, capacity, strategy=kind, offload=offload, cost=cost)
+        rule = offload if isinstance(offload, str) else "step"
+        p = make_plan(lengths, world, capacity, strategy=kind, offload=bool(offload), cost=cost,
+                      pp=pp, pipeline=pipeline, offload_rule=rule)
         if plans is not None:
             plans[key] = p
     return schedule_from_plan(name, p, lengths, loader)

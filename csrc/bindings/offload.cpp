@@ -14,10 +14,12 @@ void bind_offload(py::module_& m) {
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine",
                                               "Asynchronous activation offload engine with a caching host pool.")
       .def(py::init<int64_t>(), py::arg("pool_limit_bytes") = 0)
-      .def("offload", &Engine::offload, py::arg("tensor"), py::arg("ratio"),
-           py::call_guard<py::gil_scoped_release>())
+      .def("offload", &Engine::offload, py::arg("tensor"), py::call_guard<py::gil_scoped_release>(),
+           "Starts copying the whole (dense) tensor to host memory; returns its handle. The engine "
+           "keeps no reference to the tensor.")
       .def("prefetch", &Engine::prefetch, py::arg("handle"), py::call_guard<py::gil_scoped_release>())
-      .def("fetch", &Engine::fetch, py::arg("handle"), py::call_guard<py::gil_scoped_release>())
+      .def("fetch", &Engine::fetch, py::arg("handle"), py::call_guard<py::gil_scoped_release>(),
+           "The tensor back (same sizes, strides, dtype, device), allocated for the caller.")
       .def("discard", &Engine::discard, py::arg("handle"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("pending", &Engine::pending)
       .def_property_readonly("offloaded_bytes", &Engine::offloadedBytes)

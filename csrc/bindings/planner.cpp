@@ -8,6 +8,8 @@
 #include <cstring>
 #include <memory>
 
+#include "planner/pipeline.h"
+#include "planner/offload_rule.h"
 #include "planner/planner.h"
 #include "planner/reference.h"
 #include "planner/replay.h"
@@ -19,6 +21,7 @@ namespace bytescale {
 namespace {
 using planner::CostModel;
 using planner::LockstepSlots;
+using planner::PipelineReplay;
 using planner::Plan;
 using planner::PlanOptions;
 using planner::ReplayResult;
@@ -75,6 +78,26 @@ std::shared_ptr<ReplayResult> replayPlan(const Plan& p, const py::object& durati
   const int64_t n = d.size();
   py::gil_scoped_release nogil;
   return std::make_shared<ReplayResult>(planner::replay(planner::scheduleOf(p), dp, n));
+}
+
+// fwd / bwd: None (with the plan: its own costs) or float64 of num_mb x stages entries.
+std::shared_ptr<PipelineReplay> pipelineReplayPlan(const Plan& p, const py::object& fwd, const py::object& bwd,
+                                                   const py::object& p2p) {
+  if (fwd.is_none() && bwd.is_none() && p2p.is_none()) {
+    py::gil_scoped_release nogil;
+    return std::make_shared<PipelineReplay>(planner::replayPipeline(p));
+  }
+  if (fwd.is_none() || bwd.is_none() || p2p.is_none())
+    throw py::value_error("pipeline_replay: give fwd, bwd and p2p together (or none of them)");
+  const planner::PipelineView v = planner::pipelineOf(p);
+  Arr<double> f = py::cast<Arr<double>>(fwd), b = py::cast<Arr<double>>(bwd), x = py::cast<Arr<double>>(p2p);
+  const int64_t M = p.numMicroBatches(), P = p.pp;
+  if (f.size() != M * P || b.size() != M * P || x.size() != M)
+    throw py::value_error("pipeline_replay: fwd and bwd need micro-batches x stages = " + std::to_string(M * P) +
+                          " entries, p2p " + std::to_string(M) + "; got " + std::to_string(f.size()) + ", " +
+                          std::to_string(b.size()) + ", " + std::to_string(x.size()));
+  py::gil_scoped_release nogil;
+  return std::make_shared<PipelineReplay>(planner::replayPipeline(v, f.data(), b.data(), x.data(), M));
 }
 
 py::array lockstepArray(const LockstepSlots& s) {
@@ -142,7 +165,13 @@ void bind_planner(py::module_& m) {
       BYTESCALE_VIEW(ring_grp) BYTESCALE_VIEW(grp_ranks) BYTESCALE_VIEW(seg_seq)
       BYTESCALE_VIEW(seg_ring_size) BYTESCALE_VIEW(seg_ring_pos) BYTESCALE_VIEW(seg_tokens)
       BYTESCALE_VIEW(rank_cost) BYTESCALE_VIEW(rank_finish) BYTESCALE_VIEW(rank_idle)
+      BYTESCALE_VIEW(mb_slot) BYTESCALE_VIEW(mb_p2p)
 #undef BYTESCALE_VIEW
+      .def_readonly("pp", &Plan::pp, "The pipeline depth the plan was made for (1: none).")
+      .def_readonly("pp_fwd_share", &Plan::pp_fwd_share)
+      .def_property_readonly("pipelined", &Plan::pipelined,
+                             "Whether micro-batches carry pipeline slots (mb_slot) and makespan is the "
+                             "pipeline replay's.")
       .def("rank_micro_batches", &rankMicroBatches, py::arg("rank"))
       .def("to_bytes",
            [](const Plan& p) {
@@ -171,6 +200,63 @@ void bind_planner(py::module_& m) {
       BYTESCALE_VIEW(rank_busy) BYTESCALE_VIEW(rank_idle)
 #undef BYTESCALE_VIEW
       ;
+
+  py::class_<PipelineReplay, std::shared_ptr<PipelineReplay>>(
+      m, "PipelineReplay", "A pipelined plan replayed under 1F1B (csrc/planner/pipeline.h).")
+      .def_readonly("pipelines", &PipelineReplay::pipelines)
+      .def_readonly("stages", &PipelineReplay::stages)
+      .def_readonly("step_time", &PipelineReplay::step_time)
+      .def_readonly("bubble", &PipelineReplay::bubble)
+#define BYTESCALE_VIEW(name)                                                   \
+  .def_property_readonly(#name, [](const std::shared_ptr<PipelineReplay>& r) { return view(r, r->name); })
+      BYTESCALE_VIEW(fwd_start) BYTESCALE_VIEW(fwd_end) BYTESCALE_VIEW(bwd_start) BYTESCALE_VIEW(bwd_end)
+      BYTESCALE_VIEW(pipe_finish) BYTESCALE_VIEW(stage_busy)
+#undef BYTESCALE_VIEW
+      ;
+  m.def("pipeline_replay", &pipelineReplayPlan, py::arg("plan"), py::arg("fwd") = py::none(),
+        py::arg("bwd") = py::none(), py::arg("p2p") = py::none(),
+        "Replays a pipelined plan under 1F1B: its own costs by default, or fwd / bwd (micro-batches x "
+        "stages, row-major) and p2p (per micro-batch) seconds. ValueError on malformed input.");
+  m.def(
+      "pipeline_replay_schedule",
+      [](int pipelines, int stages, Arr<int64_t> rank_mb, Arr<int64_t> mb_slot, Arr<int64_t> mb_ring,
+         Arr<int64_t> ring_grp, Arr<int32_t> grp_ranks, Arr<double> fwd, Arr<double> bwd, Arr<double> p2p) {
+        for (auto* a : {&rank_mb, &mb_slot, &mb_ring, &ring_grp}) check1d(*a, "schedule arrays");
+        check1d(grp_ranks, "grp_ranks");
+        if (pipelines < 1) throw py::value_error("pipelines must be >= 1, got " + std::to_string(pipelines));
+        if (rank_mb.size() != pipelines + 1)
+          throw py::value_error("rank_mb needs pipelines + 1 entries, got " + std::to_string(rank_mb.size()));
+        if (ring_grp.size() < 1) throw py::value_error("ring_grp needs rings + 1 entries (at least [0])");
+        const int64_t M = mb_ring.size();
+        if (mb_slot.size() != M) throw py::value_error("mb_slot and mb_ring disagree in length");
+        if (stages < 1) throw py::value_error("stages must be >= 1, got " + std::to_string(stages));
+        if (fwd.size() != M * stages || bwd.size() != M * stages || p2p.size() != M)
+          throw py::value_error("fwd and bwd need micro-batches x stages = " + std::to_string(M * stages) +
+                                " entries and p2p " + std::to_string(M));
+        planner::PipelineView v;
+        v.sched.world_size = pipelines;
+        v.sched.rank_mb = rank_mb.data();
+        v.sched.num_mb = M;
+        v.sched.mb_ring = mb_ring.data();
+        v.sched.num_rings = ring_grp.size() - 1;
+        v.sched.ring_grp = ring_grp.data();
+        v.sched.grp_ranks = grp_ranks.data();
+        v.sched.num_grp_ranks = grp_ranks.size();
+        v.stages = stages;
+        v.mb_slot = mb_slot.data();
+        const double *f = fwd.data(), *b = bwd.data(), *x = p2p.data();
+        py::gil_scoped_release nogil;
+        return std::make_shared<PipelineReplay>(planner::replayPipeline(v, f, b, x, M));
+      },
+      py::arg("pipelines"), py::arg("stages"), py::arg("rank_mb"), py::arg("mb_slot"), py::arg("mb_ring"),
+      py::arg("ring_grp"), py::arg("grp_ranks"), py::arg("fwd"), py::arg("bwd"), py::arg("p2p"),
+      "pipeline_replay() on raw schedule arrays (a pipelined plan's layout).");
+  m.def("one_f_one_b", &planner::oneFOneB, py::arg("slots"), py::arg("stages"), py::arg("stage"),
+        "The 1F1B operations of one stage: 2k = forward of slot k, 2k + 1 = its backward.");
+  m.def("stage_layers", &planner::stageLayers, py::arg("layers"), py::arg("stages"),
+        "Layers per pipeline stage; ValueError when the stages do not divide the layers.");
+  m.def("check_pipeline_depth", &planner::checkPipelineDepth, py::arg("plan"), py::arg("stages"),
+        "ValueError when the plan was made for another pipeline depth.");
 
   m.def("replay", &replayPlan, py::arg("plan"), py::arg("durations") = py::none(),
         "Replays a plan: each rank runs its micro-batches in order, a ring micro-batch starts when "
@@ -229,11 +315,46 @@ void bind_planner(py::module_& m) {
       .def_readwrite("memory", &PlanOptions::memory)
       .def_readwrite("cost", &PlanOptions::cost)
       .def_readwrite("offload", &PlanOptions::offload)
+      .def_property(
+          "offload_rule", [](const PlanOptions& o) { return planner::offloadRuleName(o.offload_rule); },
+          [](PlanOptions& o, const std::string& s) { o.offload_rule = planner::parseOffloadRule(s); },
+          "how offloading may shrink rings: 'step' (Eq. 3 under the step's clock, default) or "
+          "'paper-eq3' (the paper's literal Eq. 3, for the ablation)")
       .def_readwrite("static_cp", &PlanOptions::static_cp,
                      "strategy 'static': the CP degree (0: sized for the step's longest sequence)")
       .def_property(
+          "pp", [](const PlanOptions& o) { return o.pipeline.stages; },
+          [](PlanOptions& o, int v) { o.pipeline.stages = v; }, "pipeline depth P (1: none)")
+      .def_property(
+          "pp_fwd_share", [](const PlanOptions& o) { return o.pipeline.fwd_share; },
+          [](PlanOptions& o, double v) { o.pipeline.fwd_share = v; })
+      .def_property(
+          "pp_p2p_bytes_per_token", [](const PlanOptions& o) { return o.pipeline.p2p_bytes_per_token; },
+          [](PlanOptions& o, double v) { o.pipeline.p2p_bytes_per_token = v; })
+      .def_property(
+          "pp_p2p_bw", [](const PlanOptions& o) { return o.pipeline.p2p_bw; },
+          [](PlanOptions& o, double v) { o.pipeline.p2p_bw = v; })
+      .def_property(
+          "pp_p2p_latency", [](const PlanOptions& o) { return o.pipeline.p2p_latency; },
+          [](PlanOptions& o, double v) { o.pipeline.p2p_latency = v; })
+      .def_property(
           "strategy", [](const PlanOptions& o) { return planner::strategyName(o.strategy); },
           [](PlanOptions& o, const std::string& s) { o.strategy = planner::parseStrategy(s); });
+
+  m.def(
+      "explain_rings",
+      [](const Plan& p, const std::vector<int64_t>& lengths, const PlanOptions& opt) {
+        auto rows = planner::explainRings(p, lengths, opt);
+        py::list out;
+        for (const auto& c : rows)
+          out.append(py::make_tuple(c.ranks, c.ratio, c.floor_memory, c.floor_offload,
+                                    planner::ringReasonName(c.reason)));
+        return out;
+      },
+      py::arg("plan"), py::arg("lengths"), py::arg("options"),
+      "Per sequence (input order): (ranks, offload ratio, ranks without offloading, Eq. 3's "
+      "minimum, reason) with reason 'local' | 'memory' | 'copy-hiding' | 'step' | 'shape' "
+      "(csrc/planner/offload_rule.h).");
 
   m.def(
       "reference_plan",

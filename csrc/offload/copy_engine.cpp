@@ -137,10 +137,14 @@ std::function<void()> job(std::shared_ptr<CpuState> s, bool to_host, std::functi
 
 class CpuTransfer final : public Transfer {
  public:
-  CpuTransfer(std::shared_ptr<Worker> worker, const at::Tensor& rows, const at::Tensor& host)
+  CpuTransfer(std::shared_ptr<Worker> worker, const at::Tensor& src, const at::Tensor& host)
       : worker_(std::move(worker)), s_(std::make_shared<CpuState>()) {
     s_->host = host;
-    worker_->submit(job(s_, true, [s = s_.get(), rows] { s->host.copy_(rows); }));
+    // The job holds the only engine reference to src: its memory goes when the copy is done.
+    worker_->submit(job(s_, true, [s = s_.get(), t = src]() mutable {
+      s->host.copy_(t);
+      t.reset();
+    }));
   }
 
   void toDevice() override {
@@ -149,7 +153,9 @@ class CpuTransfer final : public Transfer {
       if (s_->to_dev_started) return;
       s_->to_dev_started = true;
     }
-    worker_->submit(job(s_, false, [s = s_.get()] { s->restored = s->host.clone(); }));
+    // Allocated here, by the consumer's thread; the worker only fills it.
+    s_->restored = at::empty_strided(s_->host.sizes(), s_->host.strides(), s_->host.options());
+    worker_->submit(job(s_, false, [s = s_.get()] { s->restored.copy_(s->host); }));
   }
 
   at::Tensor restored() override {
@@ -177,8 +183,8 @@ class CpuTransfer final : public Transfer {
 class CpuCopyEngine final : public CopyEngine {
  public:
   bool pinnedHost() const override { return false; }
-  std::unique_ptr<Transfer> toHost(const at::Tensor& rows, const at::Tensor& host) override {
-    return std::make_unique<CpuTransfer>(worker_, rows, host);
+  std::unique_ptr<Transfer> toHost(const at::Tensor& src, const at::Tensor& host) override {
+    return std::make_unique<CpuTransfer>(worker_, src, host);
   }
 
  private:

@@ -1,6 +1,6 @@
-// The copy-engine interface of the offload subsystem: how one device type's tensor rows travel to
-// host memory and back. offload::Engine (offload.h) does the bookkeeping (handles, host pool,
-// kept rows) for every device and hands the copies to the engine of the tensor's device type:
+// The copy-engine interface of the offload subsystem: how one device type's tensors travel to host
+// memory and back. offload::Engine (offload.h) does the bookkeeping (handles, host pool) for every
+// device and hands the copies to the engine of the tensor's device type:
 //   CPU   the built-in engine (copy_engine.cpp): a copy worker thread (host to host), so the very
 //         bookkeeping the CUDA engine relies on is tested without a GPU;
 //   CUDA  csrc/cuda/offload/: pinned host buffers, a D2H and an H2D stream per device, events,
@@ -16,16 +16,18 @@
 namespace bytescale {
 namespace offload {
 
-// The copies of one tensor's leading rows: started by CopyEngine::toHost, then back to the device.
+// The copies of one tensor: started by CopyEngine::toHost, then back to the device.
 // offload::Engine calls toDevice() at most once, restored() at most once after it, and
 // hostIdle() / waitHostIdle() at any time. Errors of a copy surface in restored() and
 // waitHostIdle().
 class Transfer {
  public:
   virtual ~Transfer() = default;
-  // Starts copying the host rows back into a new tensor on the source device.
+  // Starts copying the host tensor back into a new tensor on the source device (the host copy's
+  // sizes and strides), allocated for the consumer: by the calling thread on CPU, on the calling
+  // thread's current stream on CUDA (the copy stream only writes it).
   virtual void toDevice() = 0;
-  // The rows back on the device, ready for the caller's work: the CPU engine blocks until its
+  // The tensor back on the device, ready for the caller's work: the CPU engine blocks until its
   // copies finished; the CUDA engine makes the caller's current stream wait (no host block).
   virtual at::Tensor restored() = 0;
   // Whether no copy reads or writes the host buffer any more (a non-blocking query), so the
@@ -39,9 +41,10 @@ class CopyEngine {
   virtual ~CopyEngine() = default;
   // Whether host buffers for this engine should be pinned (page-locked).
   virtual bool pinnedHost() const = 0;
-  // Starts copying `rows` (contiguous, on this engine's device type) into `host` (CPU, same
-  // shape and dtype). The caller may drop `rows` once this returns.
-  virtual std::unique_ptr<Transfer> toHost(const at::Tensor& rows, const at::Tensor& host) = 0;
+  // Starts copying `src` (dense, on this engine's device type) into `host` (CPU, same sizes,
+  // strides and dtype). The caller may drop `src` once this returns: its memory is freed when the
+  // copy no longer reads it.
+  virtual std::unique_ptr<Transfer> toHost(const at::Tensor& src, const at::Tensor& host) = 0;
 };
 
 // Registers how to make the copy engine of a device type (plug-ins call it from static

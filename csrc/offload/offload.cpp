@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <cmath>
 
 namespace bytescale {
 namespace offload {
@@ -75,8 +74,6 @@ void HostPool::clear() {
 
 struct Engine::Entry {
   at::Tensor host;  // pool buffer (bytes)
-  at::Tensor kept;  // rows [n_off, rows) left on the device
-  int64_t n_off = 0, rows = 0;
   bool to_dev_started = false;  // guarded by Engine::mu_
   std::unique_ptr<Transfer> xfer;
 };
@@ -125,24 +122,20 @@ void Engine::releaseIdle() {
   for (auto& buf : idle) pool_.release(std::move(buf));
 }
 
-int64_t Engine::offload(const at::Tensor& t, double ratio) {
-  TORCH_CHECK(ratio >= 0.0 && ratio <= 1.0, "bytescale offload: ratio ", ratio, " outside [0, 1]");
-  TORCH_CHECK(t.dim() >= 1, "bytescale offload: tensors need a sequence dimension, got a scalar");
+int64_t Engine::offload(const at::Tensor& t) {
+  TORCH_CHECK(t.is_non_overlapping_and_dense(),
+              "bytescale offload: only non-overlapping dense tensors can be offloaded (got sizes ",
+              t.sizes(), ", strides ", t.strides(), "); expanded or overlapping views cannot be restored");
   CopyEngine& engine = engineFor(t.device());
   releaseIdle();
   auto e = std::make_shared<Entry>();
-  e->rows = t.size(0);
-  e->n_off = std::min<int64_t>(e->rows, static_cast<int64_t>(std::llround(ratio * e->rows)));
-  at::Tensor src = t.contiguous();
-  const int64_t row_elems = e->rows ? src.numel() / e->rows : 0;
-  const int64_t bytes = e->n_off * row_elems * src.element_size();
+  const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
   e->host = pool_.acquire(bytes, engine.pinnedHost());
-  std::vector<int64_t> shape(src.sizes().begin(), src.sizes().end());
-  shape[0] = e->n_off;
-  at::Tensor host_rows = e->host.narrow(0, 0, bytes).view(src.scalar_type()).view(shape);
-  if (e->n_off < e->rows) e->kept = src.narrow(0, e->n_off, e->rows - e->n_off).clone();
+  // The host copy has t's strides (a dense layout spans exactly numel elements), so both copies
+  // are plain memory copies and the restored tensor has t's layout.
+  at::Tensor host = e->host.narrow(0, 0, bytes).view(t.scalar_type()).as_strided(t.sizes(), t.strides());
   try {
-    e->xfer = engine.toHost(src.narrow(0, 0, e->n_off), host_rows);
+    e->xfer = engine.toHost(t, host);
   } catch (...) {
     pool_.release(std::move(e->host));
     throw;
@@ -167,9 +160,7 @@ void Engine::prefetch(int64_t handle) {
 at::Tensor Engine::fetch(int64_t handle) {
   prefetch(handle);
   auto e = find(handle, /*remove=*/true);
-  at::Tensor restored = e->xfer->restored();  // on a copy error the buffer is not reused
-  at::Tensor out = e->kept.defined() ? (e->n_off ? at::cat({restored, e->kept}, 0) : e->kept)
-                                     : restored;
+  at::Tensor out = e->xfer->restored();  // on a copy error the buffer is not reused
   if (e->xfer->hostIdle()) {
     pool_.release(std::move(e->host));
   } else {  // the copy back may still read the host buffer: it returns to the pool later

@@ -1,11 +1,16 @@
 // Selective activation offloading: a caching host-memory pool and an asynchronous copy engine.
 //
-// offload(t, ratio) copies the leading `ratio` share of t's first (sequence) dimension to host
-// memory and keeps the rest on the device; prefetch(h) starts the copy back; fetch(h) returns the
-// reassembled tensor (bit-identical to t). The copies run off the caller's thread of execution,
-// on the copy engine of the tensor's device type (copy_engine.h): a worker thread for CPU tensors,
-// dedicated D2H / H2D streams and events for CUDA tensors (csrc/cuda/offload/). A host buffer goes
-// back to the pool once its engine reports that no copy touches it any more.
+// offload(t) copies the whole tensor t to host memory and keeps no reference to it, so t's device
+// memory is freed as soon as its owner drops it (and its copy finished); prefetch(h) starts the
+// copy back into a new tensor allocated for the consumer (the caller's thread on CPU, the current
+// stream on CUDA) with t's sizes and strides; fetch(h) returns it, bit-identical to t. There is no
+// other copy: nothing of t is cloned, nothing is concatenated. WHICH tensors go is the caller's
+// choice: bytescale.offload(ratio) offloads whole saved activations until `ratio` of their bytes
+// went (a split of the step's activations at pack time, not of each tensor: a tensor's storage is
+// one allocation, and keeping part of it keeps all of it). The copies run off the caller's thread of
+// execution, on the copy engine of the tensor's device type (copy_engine.h): a worker thread for
+// CPU tensors, dedicated D2H / H2D streams and events for CUDA tensors (csrc/cuda/offload/). A host
+// buffer goes back to the pool once its engine reports that no copy touches it any more.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -48,7 +53,8 @@ class Engine {
   explicit Engine(int64_t pool_limit_bytes = 0);
   ~Engine();
 
-  int64_t offload(const at::Tensor& t, double ratio);
+  // t must be non-overlapping and dense (any permutation of a contiguous layout).
+  int64_t offload(const at::Tensor& t);
   void prefetch(int64_t handle);
   at::Tensor fetch(int64_t handle);
   // Drop a handle without fetching (its host buffer returns to the pool).

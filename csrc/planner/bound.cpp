@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "planner/offload_rule.h"
 #include "planner/planner.h"
 
 namespace bytescale {
@@ -91,7 +92,7 @@ BoundParts lowerBound(const std::vector<int64_t>& lengths, const PlanOptions& op
     const double sd = static_cast<double>(s);
     int dmin = 1;
     if (s > cap_max)
-      dmin = opt.offload ? solveOffload(cm, s, cap_max).ranks : ranksWithoutOffload(cm, s, cap_max);
+      dmin = offloadFloor(opt, s, cap_max).ranks;
     dmin = std::min(dmin, W);
     work += dmin * cm.shardedTime(sd, dmin);
     const bool wide = 17LL * dmin > W;

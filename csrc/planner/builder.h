@@ -80,8 +80,14 @@ struct Builder {
 };
 
 // naive / pow2 (strategies.cpp): rings first (memory minimum, rounded up to a power of two for
-// pow2) on the ranks holding the fewest tokens, then capacity-sized bins of short sequences.
-Builder tokenBalanced(const Context& ctx, Strategy strategy);
+// pow2; or ring_sizes[seq] when given, indexed by sequence) on the ranks holding the fewest
+// tokens, then capacity-sized bins of short sequences.
+Builder tokenBalanced(const Context& ctx, Strategy strategy, const std::vector<int>* ring_sizes = nullptr);
+
+// Offloading under the step's clock (offload_rule.cpp, see offload_rule.h): the plan of
+// ctx.opt.strategy with ctx.opt.offload and OffloadRule::kStep.
+Plan planStepClock(const Context& ctx, const BoundParts& bound);
+bool insideStepClock();  // planStepClock runs a strategy on this thread (makePlan must not recurse)
 
 // static (static_cp.cpp): the DP x CP baseline at CP degree `cp` (see planner.h).
 Builder staticDpCp(const Context& ctx, int cp);

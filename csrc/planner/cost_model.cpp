@@ -178,14 +178,14 @@ int ranksWithoutOffload(const CostModel& m, int64_t s, int64_t capacity) {
   return static_cast<int>(std::max<int64_t>(1, d));
 }
 
-OffloadChoice solveOffload(const CostModel& m, int64_t s, int64_t capacity) {
+OffloadChoice solveOffload(const CostModel& m, int64_t s, int64_t capacity, double hide) {
   const int d0 = ranksWithoutOffload(m, s, capacity);
   const int l = m.layers;
   if (d0 <= 1 || l <= 2) return {d0, 0.0};
   const double act_s = m.act(static_cast<double>(s));
   const double act_c = m.act(static_cast<double>(capacity));
   const double bw = std::min(m.bw_d2h, m.bw_h2d);
-  const double r_max = std::min(1.0, m.layerTime(static_cast<double>(s)) * bw / act_s);
+  const double r_max = std::min(1.0, hide * m.layerTime(static_cast<double>(s)) * bw / act_s);
   auto ranks_at = [&](double r) {
     double need = (2.0 + (1.0 - r) * (l - 2)) * act_s / (l * act_c);
     int64_t d = static_cast<int64_t>(std::ceil(need - 1e-12));

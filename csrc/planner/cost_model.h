@@ -67,8 +67,12 @@ int ranksWithoutOffload(const CostModel& m, int64_t s, int64_t capacity);
 // T(s) >= Act(s) * r / min(B_d2h, B_h2d), i.e. r_max = min(1, T(s) * min(B) / Act(s)) (sharding
 // over D ranks divides both sides by D). Among the r giving the minimal D, returns the smallest
 // (least PCIe traffic). With l <= 2 offloading cannot help (two layers' activations stay resident
-// in any case) and r = 0.
-OffloadChoice solveOffload(const CostModel& m, int64_t s, int64_t capacity);
+// in any case) and r = 0. `hide` scales the compute the copies hide under: 1 is the paper's
+// T(s) >= Act(s) r / B; kForwardShare asks each direction to hide under its own pass (the copy
+// out beside the forward, about a third of a layer's forward + backward time; the copy back
+// beside the backward), what the planner's default rule uses (offload_rule.h).
+constexpr double kForwardShare = 1.0 / 3.0;
+OffloadChoice solveOffload(const CostModel& m, int64_t s, int64_t capacity, double hide = 1.0);
 
 }  // namespace planner
 }  // namespace bytescale

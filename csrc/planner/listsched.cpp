@@ -10,6 +10,7 @@
 
 #include "planner/bound.h"
 #include "planner/builder.h"
+#include "planner/offload_rule.h"
 #include "planner/replay.h"
 
 namespace bytescale {
@@ -59,7 +60,7 @@ ListModel::ListModel(const std::vector<int64_t>& lengths, const PlanOptions& o, 
     if (K == 1) {  // one class: the ring sizes whose time beats every smaller size's
       std::vector<Mix>& kept = mixes[i];
       double best = kNoHorizon;
-      const int dmin = o.offload ? solveOffload(cm, s, cap[0]).ranks : ranksWithoutOffload(cm, s, cap[0]);
+      const int dmin = offloadFloor(o, s, cap[0]).ranks;
       for (int d = 1; d <= W; ++d) {
         if (d == 1 ? s > cap[0] : d < dmin) continue;
         Mix m;
@@ -101,7 +102,7 @@ ListModel::ListModel(const std::vector<int64_t>& lengths, const PlanOptions& o, 
         if (s > cmin) continue;
         m.dur = cm.seqTime(static_cast<double>(s)) / vmin;
       } else {
-        const int dmin = o.offload ? solveOffload(cm, s, cmin).ranks : ranksWithoutOffload(cm, s, cmin);
+        const int dmin = offloadFloor(o, s, cmin).ranks;
         if (d < dmin) continue;
         m.dur = cm.shardedTime(static_cast<double>(s), d) / vmin;
         m.ratio = o.offload ? ratioForRanks(cm, s, cmin, d) : 0.0;

@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "attention/zigzag.h"
+#include "planner/pipeline.h"
 #include "planner/replay.h"
 
 namespace bytescale {
@@ -17,8 +18,11 @@ Strategy parseStrategy(const std::string& name) {
   if (name == "balanced") return Strategy::kBalanced;
   if (name == "pow2") return Strategy::kPow2;
   if (name == "static") return Strategy::kStatic;
+  if (name == "pp-balance") return Strategy::kPPBalance;
+  if (name == "pp-lockstep") return Strategy::kPPLockstep;
   throw std::invalid_argument("planner: unknown strategy '" + name +
-                              "' (expected 'naive', 'balanced', 'pow2' or 'static')");
+                              "' (expected 'naive', 'balanced', 'pow2', 'static', 'pp-balance' or "
+                              "'pp-lockstep')");
 }
 
 std::string strategyName(Strategy s) {
@@ -27,6 +31,8 @@ std::string strategyName(Strategy s) {
     case Strategy::kBalanced: return "balanced";
     case Strategy::kPow2: return "pow2";
     case Strategy::kStatic: return "static";
+    case Strategy::kPPBalance: return "pp-balance";
+    case Strategy::kPPLockstep: return "pp-lockstep";
   }
   return "?";
 }
@@ -91,6 +97,7 @@ void Plan::checkStructure() const {
           bad("ring micro-batch " + num(m) + " has segments at different ring sizes or positions");
     }
   }
+  detail::checkPipelineStructure(*this);
 }
 
 void Plan::verify(const std::vector<int64_t>& lengths, const PlanOptions& opt) const {
@@ -191,10 +198,13 @@ void Plan::verify(const std::vector<int64_t>& lengths, const PlanOptions& opt) c
     fail(e.what());
   }
   auto close = [](double a, double b) { return std::abs(a - b) <= 1e-9 * std::max(1.0, std::abs(b)); };
-  if (!close(makespan, rep.step_time)) fail("makespan is not the replayed step time");
+  // A pipelined plan's step is the pipeline replay's (the flat one above proved its ring order).
+  if (pipelined()) detail::verifyPipeline(*this, opt);
+  else if (pp != opt.pipeline.stages) fail("pp is not the options' pipeline depth");
+  if (!pipelined() && !close(makespan, rep.step_time)) fail("makespan is not the replayed step time");
   double sum = 0, mx = 0;
   for (int r = 0; r < W; ++r) {
-    if (!close(rank_finish[r], rep.rank_finish[r])) fail("rank_finish of rank " + std::to_string(r));
+    if (!pipelined() && !close(rank_finish[r], rep.rank_finish[r])) fail("rank_finish of rank " + std::to_string(r));
     if (!close(rank_idle[r], makespan - rank_cost[r]) && !(rank_idle[r] == 0 && rank_cost[r] > makespan))
       fail("rank_idle of rank " + std::to_string(r));
     sum += rank_cost[r];
@@ -213,7 +223,8 @@ constexpr char kMagic[4] = {'B', 'S', 'P', 'L'};
 // Version 2: a ring's group stored once (ring_grp) instead of per micro-batch (mb_grp);
 // rank_finish, rank_idle, max_busy and the bound's three parts; makespan is the replayed (synchronised)
 // step time and local micro-batches may sit between ring ones.
-constexpr uint32_t kVersion = 2;
+// Version 3: pipelines (pp, pp_fwd_share, mb_slot, mb_p2p). Version 2 bytes still read (pp = 1).
+constexpr uint32_t kVersion = 3;
 
 struct Writer {
   std::vector<uint8_t> out;
@@ -285,6 +296,10 @@ std::vector<uint8_t> Plan::serialize() const {
   w.pod<double>(bound_work);
   w.pod<double>(bound_piece);
   w.pod<double>(bound_waves);
+  w.pod<int32_t>(pp);
+  w.pod<double>(pp_fwd_share);
+  w.vec(mb_slot);
+  w.vec(mb_p2p);
   return w.out;
 }
 
@@ -294,8 +309,8 @@ Plan Plan::deserialize(const uint8_t* data, size_t size) {
   r.raw(magic, 4);
   if (std::memcmp(magic, kMagic, 4) != 0) throw std::invalid_argument("plan bytes: bad magic");
   uint32_t v = r.pod<uint32_t>();
-  if (v != kVersion)
-    throw std::invalid_argument("plan bytes: version " + std::to_string(v) + ", expected " +
+  if (v != kVersion && v != 2)
+    throw std::invalid_argument("plan bytes: version " + std::to_string(v) + ", expected 2 or " +
                                 std::to_string(kVersion));
   Plan p;
   p.world_size = r.pod<int32_t>();
@@ -327,6 +342,12 @@ Plan Plan::deserialize(const uint8_t* data, size_t size) {
   p.bound_work = r.pod<double>();
   p.bound_piece = r.pod<double>();
   p.bound_waves = r.pod<double>();
+  if (v >= 3) {
+    p.pp = r.pod<int32_t>();
+    p.pp_fwd_share = r.pod<double>();
+    r.vec(p.mb_slot);
+    r.vec(p.mb_p2p);
+  }
   if (r.i != size) throw std::invalid_argument("plan bytes: trailing data");
   p.checkStructure();
   return p;

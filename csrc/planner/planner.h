@@ -16,7 +16,8 @@
 // model's predictions; Plan::rank_cost is each rank's busy time (the sum of its costs).
 //
 // Strategies:
-//   naive    - the paper's Alg. 1: ranks per long sequence from memory (Eq. 3 with offloading),
+//   naive    - the paper's Alg. 1: ranks per long sequence from memory (Eq. 3 with offloading,
+//              under the step's clock unless PlanOptions::offload_rule says otherwise),
 //              short sequences best-fit into capacity-sized bins, everything balanced by TOKENS;
 //              rings first, locals after.
 //   balanced - ours, sync-aware (balanced.cpp): places rings on a timeline of when each rank is
@@ -32,6 +33,14 @@
 //              Sequences are packed first-fit decreasing into micro-batches of CP x capacity
 //              tokens (the smallest rank capacity), dealt to replicas round-robin in the order the
 //              bins were opened. At CP = 1 the micro-batches are local. No offloading.
+//   pp-balance  - pipelines of HDP units (pipeline.h): PP-Balance, the paper's Alg. 2 / Fig. 12.
+//   pp-lockstep - pipelines of HDP units, Megatron's lockstep slots (every pipeline the same count).
+//
+// Pipeline parallelism (PlanOptions::pipeline.stages = P > 1, or a pp-* strategy): world_size is
+// the number of PIPELINES (the HDP units of one stage); every micro-batch of a pipeline runs through
+// its P stages under 1F1B, a ring micro-batch on the same units of every stage at the same schedule
+// slot (Plan::mb_slot) on all its member pipelines. makespan is then the pipeline replay's
+// (csrc/planner/pipeline.h, bubbles included). Other strategies keep their per-rank order, slotted.
 #pragma once
 
 #include <cstdint>
@@ -43,9 +52,31 @@
 namespace bytescale {
 namespace planner {
 
-enum class Strategy { kNaive = 0, kBalanced = 1, kPow2 = 2, kStatic = 3 };
+enum class Strategy { kNaive = 0, kBalanced = 1, kPow2 = 2, kStatic = 3, kPPBalance = 4, kPPLockstep = 5 };
 Strategy parseStrategy(const std::string& name);
 std::string strategyName(Strategy s);
+
+// Pipeline parallelism (csrc/planner/pipeline.h). mb_cost stays one stage's forward + backward time
+// (CostModel::layers = the layers of ONE stage); capacity stays tokens per micro-batch per unit
+// (sized by the user for the micro-batches 1F1B keeps in flight).
+struct PipelineOptions {
+  int stages = 1;                    // P: pipeline depth (1: none)
+  double fwd_share = 1.0 / 3;        // forward's share of a stage's forward + backward time
+  double p2p_bytes_per_token = 8192; // activation bytes per token sent between stages (hidden x 2)
+  double p2p_bw = 50e9;              // bytes/s of a stage-to-stage link
+  double p2p_latency = 10e-6;        // s per transfer
+  // Seconds to send `tokens` tokens of activations (or their gradients) across one stage boundary.
+  double p2pTime(double tokens) const { return p2p_latency + p2p_bytes_per_token * tokens / p2p_bw; }
+};
+// How offloading (PlanOptions::offload) may shrink rings (csrc/planner/offload_rule.h):
+//   kStep      "step": Eq. 3 under the step's clock (default). A sequence's ring may shrink below
+//              its size without offloading only where the plan's replayed step does not grow: a
+//              plan with offloading never replays longer than the same strategy's plan without.
+//   kPaperEq3  "paper-eq3": the paper's literal Eq. 3, kept for the ablation: naive and pow2 put
+//              every long sequence on its Eq. 3 minimum D(s), whatever that does to the step.
+enum class OffloadRule { kStep = 0, kPaperEq3 = 1 };
+OffloadRule parseOffloadRule(const std::string& name);
+std::string offloadRuleName(OffloadRule r);
 
 struct PlanOptions {
   int world_size = 1;
@@ -54,10 +85,12 @@ struct PlanOptions {
   std::vector<double> memory;   // per-rank capacity multiplier (empty: all 1)
   CostModel cost;
   bool offload = false;
+  OffloadRule offload_rule = OffloadRule::kStep;  // how offloading may shrink rings (above)
   Strategy strategy = Strategy::kBalanced;
   // strategy static only: the CP degree (must divide world_size; 0: staticCpDegree of the step's
   // longest sequence at the smallest rank capacity).
   int static_cp = 0;
+  PipelineOptions pipeline;
 };
 
 // Flat (structure-of-arrays) plan, cheap to serialise and to expose to Python without copies.
@@ -94,7 +127,16 @@ struct Plan {
   double bound_piece = 0;           // largest indivisible piece (best ring size, comm included)
   double bound_waves = 0;           // wide rings that cannot all run at once
   int64_t num_sequences = 0;
+  // Pipelines (pipeline.h): the depth the plan was made for, the forward share its replay used, and
+  // per micro-batch its schedule slot in its pipeline (increasing along the pipeline's list; gaps
+  // are empty slots; a ring's members hold it at the same slot) and its stage-to-stage transfer
+  // time. mb_slot / mb_p2p are empty for a plan without pipelines (pp == 1 and no pp-* strategy).
+  int pp = 1;
+  double pp_fwd_share = 1.0 / 3;
+  std::vector<int64_t> mb_slot;
+  std::vector<double> mb_p2p;
 
+  bool pipelined() const { return !mb_slot.empty(); }
   int64_t numMicroBatches() const { return static_cast<int64_t>(mb_tokens.size()); }
   int64_t numRings() const { return ring_grp.empty() ? 0 : static_cast<int64_t>(ring_grp.size()) - 1; }
 

@@ -9,6 +9,8 @@
 
 #include "attention/zigzag.h"
 #include "planner/builder.h"
+#include "planner/pipeline.h"
+#include "planner/offload_rule.h"
 #include "planner/replay.h"
 
 namespace bytescale {
@@ -88,7 +90,7 @@ std::vector<int> popLeast(LoadHeap& heap, int d) {
 }  // namespace
 
 // naive / pow2: balance TOKENS (memory), as the paper's Alg. 1 does; rings first, then locals.
-Builder tokenBalanced(const Context& ctx, Strategy strategy) {
+Builder tokenBalanced(const Context& ctx, Strategy strategy, const std::vector<int>* ring_sizes) {
   const PlanOptions& opt = ctx.opt;
   const CostModel& cm = opt.cost;
   const auto& lengths = ctx.len;
@@ -104,8 +106,8 @@ Builder tokenBalanced(const Context& ctx, Strategy strategy) {
       shorts.push_back(i);
       continue;
     }
-    int d = ctx.memMin(s).ranks;
-    if (strategy == Strategy::kPow2) d = std::min(nextPow2(d), W);
+    int d = ring_sizes ? (*ring_sizes)[i] : ctx.memMin(s).ranks;
+    if (strategy == Strategy::kPow2 && !ring_sizes) d = std::min(nextPow2(d), W);
     std::vector<int> members = popLeast(heap, d);
     for (int r : members) {
       tokens[r] += static_cast<double>(s) / d;
@@ -187,10 +189,7 @@ Context::Context(const std::vector<int64_t>& lengths, const PlanOptions& o)
   }
 }
 
-OffloadChoice Context::memMin(int64_t s) const {
-  if (opt.offload) return solveOffload(opt.cost, s, cap_min);
-  return {ranksWithoutOffload(opt.cost, s, cap_min), 0.0};
-}
+OffloadChoice Context::memMin(int64_t s) const { return offloadFloor(opt, s, cap_min); }
 
 void Builder::appendRing(const int64_t* seqs, size_t n, std::vector<int> members, double ratio,
                          double cost) {
@@ -374,10 +373,10 @@ Plan Builder::finish(const BoundParts& bound) {
 
 }  // namespace detail
 
-Plan makePlan(const std::vector<int64_t>& lengths, const PlanOptions& opt) {
-  detail::validateInput(lengths, opt);
-  detail::Context ctx(lengths, opt);
-  const BoundParts bound = lowerBound(lengths, opt);
+namespace {
+// The strategies without pipelines (pipeline.h adds the stages to their per-rank order).
+Plan makeFlat(const std::vector<int64_t>& lengths, const PlanOptions& opt, const detail::Context& ctx,
+              const BoundParts& bound) {
   if (opt.strategy == Strategy::kStatic) {
     int64_t longest = 0;
     for (int64_t s : lengths) longest = std::max(longest, s);
@@ -385,6 +384,8 @@ Plan makePlan(const std::vector<int64_t>& lengths, const PlanOptions& opt) {
                                      : staticCpDegree(longest, ctx.cap_min, opt.world_size);
     return detail::staticDpCp(ctx, cp).finish(bound);
   }
+  if (opt.offload && opt.offload_rule == OffloadRule::kStep && !detail::insideStepClock())
+    return detail::planStepClock(ctx, bound);
   if (opt.strategy != Strategy::kBalanced)
     return detail::tokenBalanced(ctx, opt.strategy).finish(bound);
   Plan p = detail::planBalanced(ctx, bound);
@@ -403,6 +404,52 @@ Plan makePlan(const std::vector<int64_t>& lengths, const PlanOptions& opt) {
   }
   // Small instances: a search over list schedules from the better of the two.
   return detail::refineSmall(ctx, bound, std::move(p));
+}
+
+}  // namespace
+
+Plan makePlan(const std::vector<int64_t>& lengths, const PlanOptions& opt) {
+  detail::validateInput(lengths, opt);
+  validatePipelineOptions(opt.pipeline);
+  detail::Context ctx(lengths, opt);
+  const BoundParts bound = lowerBound(lengths, opt);
+  if (opt.strategy == Strategy::kPPBalance) {
+    Plan p = detail::planPPBalance(ctx, bound);
+    // Safety net: DP-Balance per pipeline (the balanced plan, slotted) is a candidate too, kept
+    // (and named "balanced") when its replayed step is shorter; pp-balance itself keeps lockstep
+    // slots the same way (named "pp-lockstep").
+    // With offloading allowed, DP-Balance without it is tried as well (when every sequence fits).
+    for (int k = 0; k < 2; ++k) {
+      const bool offload = k == 0 && opt.offload;
+      if ((k == 1 && !opt.offload) || p.makespan <= p.lower_bound * (1 + 1e-9) || ctx.W == 1) break;
+      PlanOptions flat = opt;
+      flat.strategy = Strategy::kBalanced;
+      flat.offload = offload;
+      Plan q;
+      try {
+        const detail::Context fctx(lengths, flat);
+        const BoundParts fb = lowerBound(lengths, flat);
+        q = makeFlat(lengths, flat, fctx, fb);
+        detail::finishPipeline(q, fctx, fb);
+      } catch (const std::invalid_argument&) {
+        continue;  // a sequence needs more ranks than exist without offloading
+      }
+      if (q.makespan < p.makespan * (1 - 1e-12)) {
+        // the bound is the options' (offloading allowed: never above the one without)
+        q.bound_work = p.bound_work;
+        q.bound_piece = p.bound_piece;
+        q.bound_waves = p.bound_waves;
+        q.lower_bound = p.lower_bound;
+        q.imbalance = q.mean_cost > 0 ? q.makespan / q.mean_cost : 1.0;
+        p = std::move(q);
+      }
+    }
+    return p;
+  }
+  if (opt.strategy == Strategy::kPPLockstep) return detail::planPPLockstep(ctx, bound);
+  Plan p = makeFlat(lengths, opt, ctx, bound);
+  if (opt.pipeline.stages > 1) detail::finishPipeline(p, ctx, bound);
+  return p;
 }
 
 }  // namespace planner

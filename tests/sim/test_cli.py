@@ -19,7 +19,8 @@ def test_cli_writes_json_and_png(tmp_path, capsys):
                "--json", str(out), "--png", str(png)])
     assert rc == 0
     doc = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
-    assert set(doc["strategies"]) == {"static", "pow2", "hdp", "hdp-offload", "hdp-balance", "hdp-full"}
+    assert set(doc["strategies"]) == {"static", "pow2", "hdp", "hdp-offload", "hdp-offload-eq3", "hdp-balance",
+                                     "hdp-full"}
     for name, r in doc["strategies"].items():
         for k in KEYS:
             assert k in r, (name, k)

@@ -22,7 +22,8 @@ def _batch(seed: int, n: int = 200, hi: int = 40000) -> np.ndarray:
     return np.maximum(x, 1)
 
 
-@pytest.mark.parametrize("strategy", ["static", "pow2", "hdp", "hdp-offload", "hdp-balance", "hdp-full"])
+@pytest.mark.parametrize("strategy", ["static", "pow2", "hdp", "hdp-offload", "hdp-offload-eq3", "hdp-balance",
+                                      "hdp-full"])
 @pytest.mark.parametrize("s", [1, 777, 8192])
 def test_one_rank_equals_cost_model(strategy, s):
     cl = cluster("h100-nvlink-ib400", 1, 1)
@@ -58,7 +59,7 @@ def test_static_and_hdp_agree_on_equal_short_sequences(world):
     ref = res["static"].step_time_s
     for name in ("hdp-full",):  # no data stall in either (static reads its share, hdp-full prefetches)
         assert res[name].step_time_s == pytest.approx(ref, rel=1e-12)
-    for name in ("pow2", "hdp", "hdp-offload", "hdp-balance"):  # the same, plus the stall of reading the batch
+    for name in ("pow2", "hdp", "hdp-offload", "hdp-offload-eq3", "hdp-balance"):  # the same, plus the stall of reading the batch
         assert res[name].step_time_s - res[name].data_stall_s == pytest.approx(ref, rel=1e-12)
     for r in res.values():
         assert r.exposed_comm.sum() == 0.0 and r.idle.max() == pytest.approx(0.0, abs=1e-9)

@@ -1,0 +1,494 @@
+// Pipelined plans: the 1F1B replay, slots, the pipelined lower bound and checks (pipeline.h).
+#include "planner/pipeline.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+#include "attention/zigzag.h"
+#include "planner/builder.h"
+
+namespace bytescale {
+namespace planner {
+
+namespace {
+
+[[noreturn]] void bad(const std::string& what) { throw std::invalid_argument("pipeline replay: " + what); }
+
+std::string num(int64_t v) { return std::to_string(v); }
+
+// Checks the schedule arrays (the flat layout's and the slots) before the replay reads them.
+void validate(const PipelineView& v) {
+  const ScheduleView& s = v.sched;
+  const int H = s.world_size;
+  const int64_t M = s.num_mb, R = s.num_rings;
+  if (v.stages < 1) bad("stages must be >= 1, got " + num(v.stages));
+  if (H < 1) bad("pipelines (world_size) must be >= 1, got " + num(H));
+  if (M < 0 || R < 0) bad("negative number of micro-batches or rings");
+  if (!s.rank_mb || !s.ring_grp || (M > 0 && (!s.mb_ring || !v.mb_slot)))
+    bad("missing arrays");
+  if (s.rank_mb[0] != 0) bad("rank_mb[0] = " + num(s.rank_mb[0]) + ", expected 0");
+  for (int h = 0; h < H; ++h)
+    if (s.rank_mb[h + 1] < s.rank_mb[h]) bad("rank_mb decreases at pipeline " + num(h));
+  if (s.rank_mb[H] != M)
+    bad("rank_mb[pipelines] = " + num(s.rank_mb[H]) + " but there are " + num(M) + " micro-batches");
+  if (s.ring_grp[0] != 0) bad("ring_grp[0] must be 0");
+  for (int64_t k = 0; k < R; ++k)
+    if (s.ring_grp[k + 1] <= s.ring_grp[k]) bad("ring " + num(k) + " has an empty group");
+  if (s.ring_grp[R] != s.num_grp_ranks)
+    bad("ring_grp[rings] = " + num(s.ring_grp[R]) + " but grp_ranks has " + num(s.num_grp_ranks) + " entries");
+  for (int64_t k = 0; k < s.num_grp_ranks; ++k)
+    if (s.grp_ranks[k] < 0 || s.grp_ranks[k] >= H)
+      bad("grp_ranks[" + num(k) + "] = " + num(s.grp_ranks[k]) + " outside [0, " + num(H) + ")");
+  for (int h = 0; h < H; ++h) {
+    int64_t prev = -1;
+    for (int64_t m = s.rank_mb[h]; m < s.rank_mb[h + 1]; ++m) {
+      if (s.mb_ring[m] < -1 || s.mb_ring[m] >= R)
+        bad("micro-batch " + num(m) + " has ring id " + num(s.mb_ring[m]) + " outside [-1, " + num(R) + ")");
+      // A slot is below the number of micro-batches: every slot before a micro-batch's holds one
+      // of the micro-batches it waits for (bounds what a corrupt plan can make the replay walk).
+      if (v.mb_slot[m] <= prev || v.mb_slot[m] >= std::max<int64_t>(M, 1))
+        bad("pipeline " + num(h) + ": micro-batch " + num(m) + " has slot " + num(v.mb_slot[m]) +
+            " after slot " + num(prev) + " (slots must increase along a pipeline and stay below " +
+            num(std::max<int64_t>(M, 1)) + ")");
+      prev = v.mb_slot[m];
+    }
+  }
+  // Every ring: held once by each member pipeline, at one slot.
+  std::vector<int64_t> seen_slot(R, -1), count(R, 0);
+  std::vector<int64_t> mark(H, -1);
+  std::vector<int64_t> first(R, -1), next(M, -1);
+  for (int h = 0; h < H; ++h)
+    for (int64_t m = s.rank_mb[h]; m < s.rank_mb[h + 1]; ++m) {
+      const int64_t id = s.mb_ring[m];
+      if (id < 0) continue;
+      if (count[id]++ == 0) seen_slot[id] = v.mb_slot[m];
+      else if (seen_slot[id] != v.mb_slot[m])
+        bad("ring " + num(id) + " sits at slot " + num(seen_slot[id]) + " on one member and slot " +
+            num(v.mb_slot[m]) + " on pipeline " + num(h) +
+            " (a ring micro-batch must sit at the same slot on every member pipeline)");
+      next[m] = first[id];
+      first[id] = m;
+    }
+  std::vector<int> rank_of(M);
+  for (int h = 0; h < H; ++h)
+    for (int64_t m = s.rank_mb[h]; m < s.rank_mb[h + 1]; ++m) rank_of[m] = h;
+  for (int64_t id = 0; id < R; ++id) {
+    const int64_t g0 = s.ring_grp[id], g1 = s.ring_grp[id + 1];
+    if (count[id] != g1 - g0)
+      bad("ring " + num(id) + " has " + num(count[id]) + " micro-batches for a group of " + num(g1 - g0));
+    for (int64_t g = g0; g < g1; ++g) mark[s.grp_ranks[g]] = id;
+    for (int64_t q = first[id]; q >= 0; q = next[q]) {
+      if (mark[rank_of[q]] != id)
+        bad("pipeline " + num(rank_of[q]) + " runs ring " + num(id) +
+            " but is not in its group (or holds it twice)");
+      mark[rank_of[q]] = -1;
+    }
+  }
+}
+
+// One stage of one pipeline walking its 1F1B order (pipeline.h) over its non-empty slots.
+struct Actor {
+  int h = 0, p = 0;
+  int64_t fi = 0, bi = 0;  // next forward / backward micro-batch (absolute index)
+  int64_t w = 0, S = 0;    // warm-up forwards, slots
+  double t = 0;            // free from
+  bool queued = false;
+  bool waiting = false;  // blocked on the neighbouring stage (woken by its completion)
+  bool in_ring = false;  // arrived at a ring operation (woken by the ring's completion only)
+};
+
+// Position of slot k's forward / backward in the 1F1B order of S slots and w warm-up forwards.
+inline int64_t posF(int64_t k, int64_t w) { return k < w ? k : w + 2 * (k - w); }
+inline int64_t posB(int64_t k, int64_t w, int64_t S) { return k < S - w ? w + 2 * k + 1 : S + k; }
+
+constexpr double kNotDone = -1.0;
+
+}  // namespace
+
+PipelineView pipelineOf(const Plan& p) {
+  if (!p.pipelined())
+    throw std::invalid_argument("pipeline replay: the plan has no pipeline slots (made with pp = 1 and a "
+                                "strategy other than pp-balance / pp-lockstep)");
+  PipelineView v;
+  v.sched = scheduleOf(p);
+  v.stages = p.pp;
+  if (static_cast<int64_t>(p.mb_slot.size()) != p.numMicroBatches())
+    bad("mb_slot has " + num(p.mb_slot.size()) + " entries for " + num(p.numMicroBatches()) + " micro-batches");
+  v.mb_slot = p.mb_slot.data();
+  return v;
+}
+
+std::vector<int64_t> oneFOneB(int64_t slots, int stages, int stage) {
+  if (slots < 0 || stages < 1 || stage < 0 || stage >= stages)
+    throw std::invalid_argument("1F1B: need slots >= 0 and 0 <= stage < stages, got slots " + num(slots) +
+                                ", stage " + num(stage) + " of " + num(stages));
+  const int64_t w = std::min<int64_t>(stages - 1 - stage, slots);
+  std::vector<int64_t> out;
+  out.reserve(static_cast<size_t>(2 * slots));
+  for (int64_t k = 0; k < w; ++k) out.push_back(2 * k);
+  for (int64_t i = 0; i < slots - w; ++i) {
+    out.push_back(2 * (w + i));
+    out.push_back(2 * i + 1);
+  }
+  for (int64_t k = slots - w; k < slots; ++k) out.push_back(2 * k + 1);
+  return out;
+}
+
+PipelineReplay replayPipeline(const PipelineView& v, const double* fwd, const double* bwd,
+                              const double* p2p, int64_t num_durations) {
+  validate(v);
+  const ScheduleView& s = v.sched;
+  const int H = s.world_size, P = v.stages;
+  const int64_t M = s.num_mb, R = s.num_rings;
+  if (num_durations != M) bad("got durations for " + num(num_durations) + " micro-batches, the schedule has " + num(M));
+  for (int64_t k = 0; k < M * P; ++k)
+    if (!(fwd[k] >= 0) || !std::isfinite(fwd[k]) || !(bwd[k] >= 0) || !std::isfinite(bwd[k]))
+      bad("micro-batch " + num(k / P) + " at stage " + num(k % P) + " has duration fwd " +
+          std::to_string(fwd[k]) + " / bwd " + std::to_string(bwd[k]) + " (must be finite and >= 0)");
+  for (int64_t m = 0; m < M; ++m)
+    if (!(p2p[m] >= 0) || !std::isfinite(p2p[m]))
+      bad("micro-batch " + num(m) + " has transfer time " + std::to_string(p2p[m]));
+  PipelineReplay out;
+  out.pipelines = H;
+  out.stages = P;
+  out.fwd_start.assign(M * P, 0.0);
+  out.fwd_end.assign(M * P, kNotDone);
+  out.bwd_start.assign(M * P, 0.0);
+  out.bwd_end.assign(M * P, kNotDone);
+  out.pipe_finish.assign(H, 0.0);
+  out.stage_busy.assign(static_cast<size_t>(H) * P, 0.0);
+  std::vector<int> rank_of(M);
+  for (int h = 0; h < H; ++h)
+    for (int64_t m = s.rank_mb[h]; m < s.rank_mb[h + 1]; ++m) rank_of[m] = h;
+  std::vector<Actor> actors(static_cast<size_t>(H) * P);
+  for (int h = 0; h < H; ++h) {
+    const int64_t n = s.rank_mb[h + 1] - s.rank_mb[h];
+    const int64_t S = n ? v.mb_slot[s.rank_mb[h + 1] - 1] + 1 : 0;
+    for (int p = 0; p < P; ++p) {
+      Actor& a = actors[static_cast<size_t>(h) * P + p];
+      a.h = h;
+      a.p = p;
+      a.fi = a.bi = s.rank_mb[h];
+      a.S = S;
+      a.w = std::min<int64_t>(P - 1 - p, S);
+    }
+  }
+  // Ring synchronisation per (ring, stage, direction): arrivals, the latest ready time, the
+  // largest duration and the arrived micro-batches (linked through `nxt`, per direction/stage).
+  const size_t K = static_cast<size_t>(R) * P * 2;
+  std::vector<int32_t> arrived(K, 0);
+  std::vector<double> tmax(K, 0.0), dmax(K, 0.0);
+  std::vector<int64_t> head(K, -1), nxt(static_cast<size_t>(M) * P * 2, -1);
+  std::vector<Actor*> todo;
+  todo.reserve(actors.size());
+  for (size_t i = actors.size(); i-- > 0;) {
+    actors[i].queued = true;
+    todo.push_back(&actors[i]);
+  }
+  auto wake = [&](int h, int p) {
+    if (p < 0 || p >= P) return;
+    Actor& a = actors[static_cast<size_t>(h) * P + p];
+    if (a.waiting && !a.queued) {
+      a.waiting = false;
+      a.queued = true;
+      todo.push_back(&a);
+    }
+  };
+  // Records operation (m, p, dir) on [st, en) for its actor and wakes the neighbours waiting on it.
+  auto complete = [&](Actor& a, int64_t m, bool is_bwd, double st, double en) {
+    const size_t k = static_cast<size_t>(m) * P + a.p;
+    if (is_bwd) {
+      out.bwd_start[k] = st;
+      out.bwd_end[k] = en;
+      ++a.bi;
+    } else {
+      out.fwd_start[k] = st;
+      out.fwd_end[k] = en;
+      ++a.fi;
+    }
+    a.t = en;
+    out.stage_busy[static_cast<size_t>(a.h) * P + a.p] += en - st;
+    wake(a.h, is_bwd ? a.p - 1 : a.p + 1);
+  };
+  while (!todo.empty()) {
+    Actor& a = *todo.back();
+    todo.pop_back();
+    a.queued = false;
+    const int64_t end = s.rank_mb[a.h + 1];
+    while (a.fi < end || a.bi < end) {
+      // The next operation: whichever of the next forward / backward comes first in 1F1B order.
+      bool is_bwd;
+      if (a.fi >= end) is_bwd = true;
+      else if (a.bi >= end) is_bwd = false;
+      else is_bwd = posB(v.mb_slot[a.bi], a.w, a.S) < posF(v.mb_slot[a.fi], a.w);
+      const int64_t m = is_bwd ? a.bi : a.fi;
+      const size_t k = static_cast<size_t>(m) * P + a.p;
+      double ready = a.t;
+      if (!is_bwd && a.p > 0) {
+        const double e = out.fwd_end[k - 1];
+        if (e == kNotDone) break;  // waits for the previous stage (woken by its completion)
+        ready = std::max(ready, e + p2p[m]);
+      } else if (is_bwd && a.p < P - 1) {
+        const double e = out.bwd_end[k + 1];
+        if (e == kNotDone) break;
+        ready = std::max(ready, e + p2p[m]);
+      }
+      const double dur = is_bwd ? bwd[k] : fwd[k];
+      const int64_t id = s.mb_ring[m];
+      if (id < 0) {
+        complete(a, m, is_bwd, ready, ready + dur);
+        continue;
+      }
+      const size_t key = (static_cast<size_t>(id) * P + a.p) * 2 + (is_bwd ? 1 : 0);
+      if (arrived[key] == 0) {
+        tmax[key] = ready;
+        dmax[key] = dur;
+      } else {
+        tmax[key] = std::max(tmax[key], ready);
+        dmax[key] = std::max(dmax[key], dur);
+      }
+      const size_t op = k * 2 + (is_bwd ? 1 : 0);
+      nxt[op] = head[key];
+      head[key] = static_cast<int64_t>(m);
+      const int64_t size = s.ring_grp[id + 1] - s.ring_grp[id];
+      if (++arrived[key] < size) {
+        a.in_ring = true;  // the last member to arrive completes the ring for everyone
+        break;
+      }
+      const double st = tmax[key], en = st + dmax[key];
+      for (int64_t q = head[key]; q >= 0;) {
+        const size_t qop = (static_cast<size_t>(q) * P + a.p) * 2 + (is_bwd ? 1 : 0);
+        const int64_t after = nxt[qop];
+        Actor& b = actors[static_cast<size_t>(rank_of[q]) * P + a.p];
+        b.in_ring = false;
+        complete(b, q, is_bwd, st, en);
+        if (&b != &a && !b.queued) {
+          b.queued = true;
+          todo.push_back(&b);
+        }
+        q = after;
+      }
+    }
+    a.waiting = (a.fi < end || a.bi < end) && !a.in_ring;
+  }
+  // Anything left is a deadlock: name a few blocked stages and what they wait for.
+  std::vector<const Actor*> blocked;
+  for (const Actor& a : actors)
+    if (a.fi < s.rank_mb[a.h + 1] || a.bi < s.rank_mb[a.h + 1]) blocked.push_back(&a);
+  if (!blocked.empty()) {
+    std::ostringstream os;
+    os << "the schedule deadlocks (" << blocked.size() << " stages blocked):";
+    for (size_t i = 0; i < blocked.size() && i < 4; ++i) {
+      const Actor& a = *blocked[i];
+      const int64_t end = s.rank_mb[a.h + 1];
+      const bool is_bwd = a.fi >= end || (a.bi < end && posB(v.mb_slot[a.bi], a.w, a.S) < posF(v.mb_slot[a.fi], a.w));
+      const int64_t m = is_bwd ? a.bi : a.fi;
+      os << " pipeline " << a.h << " stage " << a.p << " at " << (is_bwd ? "backward" : "forward")
+         << " of slot " << v.mb_slot[m];
+      if (s.mb_ring[m] >= 0) os << " (ring " << s.mb_ring[m] << ")";
+      os << ";";
+    }
+    os << " ring micro-batches must sit at the same slot on every member pipeline";
+    bad(os.str());
+  }
+  double step = 0, busy = 0;
+  for (int h = 0; h < H; ++h) {
+    double f = 0;
+    for (int p = 0; p < P; ++p) {
+      f = std::max(f, actors[static_cast<size_t>(h) * P + p].t);
+      busy += out.stage_busy[static_cast<size_t>(h) * P + p];
+    }
+    out.pipe_finish[h] = f;
+    step = std::max(step, f);
+  }
+  out.step_time = step;
+  out.bubble = step > 0 ? std::max(0.0, 1.0 - busy / (static_cast<double>(H) * P * step)) : 0.0;
+  return out;
+}
+
+PipelineReplay replayPipeline(const Plan& p) {
+  const PipelineView v = pipelineOf(p);
+  const int P = p.pp;
+  const int64_t M = p.numMicroBatches();
+  if (static_cast<int64_t>(p.mb_p2p.size()) != M)
+    bad("mb_p2p has " + num(p.mb_p2p.size()) + " entries for " + num(M) + " micro-batches");
+  std::vector<double> f(static_cast<size_t>(M) * P), b(static_cast<size_t>(M) * P);
+  for (int64_t m = 0; m < M; ++m)
+    for (int q = 0; q < P; ++q) {
+      f[m * P + q] = p.pp_fwd_share * p.mb_cost[m];
+      b[m * P + q] = p.mb_cost[m] - f[m * P + q];
+    }
+  return replayPipeline(v, f.data(), b.data(), p.mb_p2p.data(), M);
+}
+
+void checkPipelineDepth(const Plan& p, int stages) {
+  if (stages < 1) throw std::invalid_argument("pipeline depth must be >= 1, got " + num(stages));
+  if (p.pp != stages)
+    throw std::invalid_argument("plan: made for a pipeline depth of " + num(p.pp) + " stages, the runtime has " +
+                                num(stages) + " (plan with pp = " + num(stages) + ")");
+  if (stages > 1 && !p.pipelined() && p.numMicroBatches() > 0)
+    throw std::invalid_argument("plan: pp = " + num(stages) + " but the plan has no slots");
+}
+
+int stageLayers(int layers, int stages) {
+  if (layers < 1 || stages < 1)
+    throw std::invalid_argument("pipeline: need layers >= 1 and stages >= 1, got " + num(layers) + " layers and " +
+                                num(stages) + " stages");
+  if (layers % stages)
+    throw std::invalid_argument("pipeline: " + num(stages) + " stages do not divide the model's " + num(layers) +
+                                " layers (every stage holds the same number of layers; choose a pipeline depth "
+                                "that divides " + num(layers) + ")");
+  return layers / stages;
+}
+
+void validatePipelineOptions(const PipelineOptions& po) {
+  auto fail = [](const std::string& m) { throw std::invalid_argument("planner: pipeline " + m); };
+  if (po.stages < 1) fail("stages (pp) must be >= 1, got " + num(po.stages));
+  if (po.stages > 4096) fail("stages (pp) = " + num(po.stages) + " is implausibly large (at most 4096)");
+  if (!(po.fwd_share > 0 && po.fwd_share < 1))
+    fail("fwd_share must be in (0, 1) (the forward's share of forward + backward), got " +
+         std::to_string(po.fwd_share));
+  if (!(po.p2p_bytes_per_token >= 0) || !std::isfinite(po.p2p_bytes_per_token))
+    fail("p2p_bytes_per_token must be finite and >= 0, got " + std::to_string(po.p2p_bytes_per_token));
+  if (!(po.p2p_bw > 0) || !std::isfinite(po.p2p_bw))
+    fail("p2p_bw must be finite and > 0, got " + std::to_string(po.p2p_bw));
+  if (!(po.p2p_latency >= 0) || !std::isfinite(po.p2p_latency))
+    fail("p2p_latency must be finite and >= 0, got " + std::to_string(po.p2p_latency));
+}
+
+namespace detail {
+
+BoundParts pipelineBound(const BoundParts& flat, const Context& ctx) {
+  const PipelineOptions& po = ctx.opt.pipeline;
+  const int P = po.stages;
+  BoundParts b = flat;
+  if (ctx.len.empty()) return b;
+  int64_t shortest = ctx.len[ctx.order.back()];
+  const CostModel& cm = ctx.opt.cost;
+  const RingShape sh = ringShape(cm, static_cast<double>(shortest), 1, ctx.W);
+  const double c_min = cm.shardedTime(static_cast<double>(shortest), sh.best) / ctx.speed_max;
+  const double hops = 2.0 * (P - 1) * po.p2p_latency;
+  b.work = flat.work + (P - 1) * c_min + hops;
+  b.piece = P * flat.piece + hops;
+  return b;
+}
+
+namespace {
+
+// Slots keeping each pipeline's order: a ring sits at the earliest slot all members reach (after
+// their previous micro-batches), locals at the next slot of their pipeline. Ring ids increase
+// along every list (makePlan's plans), so visiting rings by id sees each member's earlier rings
+// placed first.
+std::vector<int64_t> alignSlots(const Plan& p) {
+  const int H = p.world_size;
+  const int64_t M = p.numMicroBatches(), R = p.numRings();
+  std::vector<int64_t> slot(M, -1), ring_mbs(p.grp_ranks.size()), fill(R, 0);
+  std::vector<int64_t> pos(H);  // per pipeline: first micro-batch without a slot
+  std::vector<int64_t> next_slot(H, 0);
+  for (int h = 0; h < H; ++h) pos[h] = p.rank_mb[h];
+  for (int h = 0; h < H; ++h)
+    for (int64_t m = p.rank_mb[h]; m < p.rank_mb[h + 1]; ++m)
+      if (p.mb_ring[m] >= 0) ring_mbs[p.ring_grp[p.mb_ring[m]] + fill[p.mb_ring[m]]++] = m;
+  std::vector<int> owner(M);
+  for (int h = 0; h < H; ++h)
+    for (int64_t m = p.rank_mb[h]; m < p.rank_mb[h + 1]; ++m) owner[m] = h;
+  auto advance_locals = [&](int h) {
+    while (pos[h] < p.rank_mb[h + 1] && p.mb_ring[pos[h]] < 0) slot[pos[h]++] = next_slot[h]++;
+  };
+  for (int64_t id = 0; id < R; ++id) {
+    int64_t at = 0;
+    for (int64_t g = p.ring_grp[id]; g < p.ring_grp[id + 1]; ++g) {
+      const int h = owner[ring_mbs[g]];
+      advance_locals(h);
+      if (pos[h] != ring_mbs[g])
+        throw std::invalid_argument("plan: pipeline " + num(h) + " lists ring " + num(id) +
+                                    " after a ring of a larger id; cannot align slots");
+      at = std::max(at, next_slot[h]);
+    }
+    for (int64_t g = p.ring_grp[id]; g < p.ring_grp[id + 1]; ++g) {
+      const int h = owner[ring_mbs[g]];
+      slot[pos[h]++] = at;
+      next_slot[h] = at + 1;
+    }
+  }
+  for (int h = 0; h < H; ++h) advance_locals(h);
+  return slot;
+}
+
+}  // namespace
+
+void finishPipeline(Plan& p, const Context& ctx, const BoundParts& flat_bound, std::vector<int64_t> slots) {
+  const PipelineOptions& po = ctx.opt.pipeline;
+  const int64_t M = p.numMicroBatches();
+  p.pp = po.stages;
+  p.pp_fwd_share = po.fwd_share;
+  const BoundParts bound = pipelineBound(flat_bound, ctx);
+  p.bound_work = bound.work;
+  p.bound_piece = bound.piece;
+  p.bound_waves = bound.waves;
+  p.lower_bound = bound.value();
+  if (M == 0) {
+    p.mb_slot.clear();
+    p.mb_p2p.clear();
+    return;
+  }
+  p.mb_slot = slots.empty() ? alignSlots(p) : std::move(slots);
+  p.mb_p2p.resize(M);
+  for (int64_t m = 0; m < M; ++m) p.mb_p2p[m] = po.stages > 1 ? po.p2pTime(static_cast<double>(p.mb_tokens[m])) : 0.0;
+  const PipelineReplay rep = replayPipeline(p);
+  p.rank_finish = rep.pipe_finish;
+  p.makespan = rep.step_time;
+  const int H = p.world_size;
+  for (int h = 0; h < H; ++h) p.rank_idle[h] = std::max(0.0, p.makespan - p.rank_cost[h]);
+  p.imbalance = p.mean_cost > 0 ? p.makespan / p.mean_cost : 1.0;
+}
+
+void checkPipelineStructure(const Plan& p) {
+  auto fail = [](const std::string& m) { throw std::invalid_argument("plan: " + m); };
+  const int64_t M = p.numMicroBatches();
+  if (p.pp < 1) fail("pp = " + num(p.pp) + " (must be >= 1)");
+  if (!(p.pp_fwd_share > 0 && p.pp_fwd_share < 1)) fail("pp_fwd_share outside (0, 1)");
+  if (!p.mb_slot.empty() && static_cast<int64_t>(p.mb_slot.size()) != M)
+    fail("mb_slot has " + num(p.mb_slot.size()) + " entries for " + num(M) + " micro-batches");
+  if (p.mb_p2p.size() != p.mb_slot.size()) fail("mb_p2p and mb_slot disagree in length");
+  if (p.pp > 1 && M > 0 && p.mb_slot.empty()) fail("pp = " + num(p.pp) + " but no micro-batch has a slot");
+  for (double x : p.mb_p2p)
+    if (!(x >= 0) || !std::isfinite(x)) fail("a transfer time is negative or not finite");
+  if (!p.pipelined()) return;
+  PipelineView v;
+  v.sched = scheduleOf(p);
+  v.stages = p.pp;
+  v.mb_slot = p.mb_slot.data();
+  try {
+    validate(v);
+  } catch (const std::invalid_argument& e) {
+    fail(e.what());
+  }
+}
+
+void verifyPipeline(const Plan& p, const PlanOptions& opt) {
+  auto fail = [](const std::string& m) { throw std::logic_error("plan invariant violated: " + m); };
+  if (p.pp != opt.pipeline.stages) fail("pp is not the options' pipeline depth");
+  PipelineReplay rep;
+  try {
+    rep = replayPipeline(p);
+  } catch (const std::invalid_argument& e) {
+    fail(e.what());
+  }
+  auto close = [](double a, double b) { return std::abs(a - b) <= 1e-9 * std::max(1.0, std::abs(b)); };
+  if (!close(p.makespan, rep.step_time)) fail("makespan is not the pipeline replay's step time");
+  for (int h = 0; h < p.world_size; ++h)
+    if (!close(p.rank_finish[h], rep.pipe_finish[h])) fail("rank_finish of pipeline " + num(h));
+  for (int64_t m = 0; m < p.numMicroBatches(); ++m) {
+    const double want = p.pp > 1 ? opt.pipeline.p2pTime(static_cast<double>(p.mb_tokens[m])) : 0.0;
+    if (!close(p.mb_p2p[m], want)) fail("transfer time of micro-batch " + num(m));
+  }
+}
+
+}  // namespace detail
+}  // namespace planner
+}  // namespace bytescale
