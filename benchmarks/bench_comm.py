@@ -165,8 +165,10 @@ def run_cpu(world: int, reps: int, png: str | None) -> None:
         print(f"\nplot: {png}")
 
 
-def run_cuda(reps: int) -> None:
+def run_cuda(reps: int, jsonl: str = None) -> None:
     """World size 1 on one GPU: bytescale's NCCL path vs torch's nccl backend (separate inits)."""
+    import json
+
     import bytescale  # noqa: F401
 
     res = {}
@@ -179,6 +181,10 @@ def run_cuda(reps: int) -> None:
             x = torch.randn(size // 4, device="cuda")
             dist.all_reduce(x)
             res[(backend, size)] = _median_time(lambda: dist.all_reduce(x), reps, sync)
+            if jsonl:
+                with open(jsonl, "a") as f:
+                    f.write(json.dumps(dict(op="all_reduce", backend=backend, bytes=size,
+                                            seconds=res[(backend, size)])) + "\n")
         dist.destroy_process_group()
     print("| all_reduce (1 GPU) | size | bytescale | nccl | ratio |\n|---|---|---|---|---|")
     for size in SIZES:
@@ -192,9 +198,10 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--png", default=None)
     p.add_argument("--cuda", action="store_true")
+    p.add_argument("--jsonl", default=None, help="(--cuda) append every row here as soon as it is measured")
     a = p.parse_args(argv)
     if a.cuda:
-        run_cuda(a.reps)
+        run_cuda(a.reps, a.jsonl)
     else:
         run_cpu(a.world, a.reps, a.png)
 

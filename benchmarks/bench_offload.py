@@ -3,9 +3,11 @@
 
     python benchmarks/bench_offload.py                 # CPU: host-to-host copies (the engine's bookkeeping)
     python benchmarks/bench_offload.py --cuda --seq 65536 --dim 4096 --layers 4   # one GPU
+    ... --jsonl rows.jsonl     # every row appended as soon as it is measured
 
 Memory ("peak resident"): on CUDA the peak allocated memory of the step
-(torch.cuda.max_memory_allocated, parameters included); on CPU the peak of the process's malloc'd
+(torch.cuda.max_memory_allocated, parameters included; the JSONL rows add max_memory_reserved: what
+the caching allocator holds, the number that runs out first); on CPU the peak of the process's malloc'd
 bytes in use (glibc mallinfo2: uordblks + hblkhd, every thread) during the step above its value just
 before the step, sampled every 0.2 ms by a thread in a separate pass: the step's own allocations
 (activations, gradients, temporaries), not the parameters and not the host pool, which is warm
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
+import json
 import statistics
 import threading
 import time
@@ -78,6 +81,7 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--png", default=None)
+    ap.add_argument("--jsonl", default=None, help="append every row here as soon as it is measured")
     ap.add_argument("--only", default=None, help="comma-separated ratios to run (0 always runs), e.g. 0.5")
     a = ap.parse_args(argv)
     dev = torch.device("cuda" if a.cuda else "cpu")
@@ -127,12 +131,21 @@ def main(argv=None):
             kept, off = step(ratio, ckpt)
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
+            reserved = torch.cuda.max_memory_reserved()
         else:
             with _CpuPeak() as mem:
                 kept, off = step(ratio, ckpt)
-            peak = mem.peak
+            peak, reserved = mem.peak, None
         rows.append((name, statistics.median(times[name]), peak, kept, off, min(times[name]),
                      statistics.median(cpu[name])))
+        if a.jsonl:
+            with open(a.jsonl, "a") as f:
+                f.write(json.dumps(dict(variant=name, ratio=ratio, checkpointing=ckpt, device=str(dev),
+                                        seq=a.seq, dim=a.dim, layers=a.layers,
+                                        step_median_ms=rows[-1][1] * 1e3, fastest_ms=rows[-1][5] * 1e3,
+                                        cpu_ms=rows[-1][6] * 1e3, peak_mib=peak / 2**20,
+                                        peak_reserved_mib=reserved / 2**20 if reserved else None,
+                                        kept_mib=kept / 2**20, offloaded_mib=off / 2**20)) + "\n")
     base_t, base_m, base_min, base_cpu = rows[0][1], rows[0][2], rows[0][5], rows[0][6]
     print(f"# bench_offload ({datetime.date.today()}, {dev}, {dtype}, seq {a.seq}, dim {a.dim}, "
           f"{a.layers} layers, {a.reps} reps)\n")

@@ -8,6 +8,16 @@ same documents, side by side in one run.
     python benchmarks/bench_ring_attention.py --cuda --png benchmarks/ring_attention.png
                                                          # one GPU, bf16, head dim 128, 8K-128K
 
+    python benchmarks/bench_ring_attention.py --cuda --packed --jsonl ring_packed.jsonl
+                                                         # packed variable lengths, cuDNN vs flash
+
+``--packed``: micro-batches of packed documents of varied lengths (seeded), a new mix each time,
+as HDP training sees them: per kernel choice (flash, cudnn), the first call of each micro-batch
+(including whatever per-shape setup the kernel pays, e.g. cuDNN graph builds) and the steady
+time of the same micro-batch repeated, plus the process's resident host memory after each
+kernel (cuDNN's graph cache lives on the host). ``--jsonl`` appends every row as soon as it is
+measured (a timeout loses nothing).
+
 The virtual ring's time is the TOTAL work of all N ranks (a real ring divides it over N ranks
 and overlaps the K/V exchange with it); its ratio to monolithic attention on the full sequence
 is the ring's compute efficiency (1.0 = no overhead from splitting into blocks). TFLOP/s count
@@ -111,6 +121,86 @@ def merge_bandwidth(run, reps):
     return nbytes / tm / 1e12, 2 * big.numel() / tc / 1e12
 
 
+def rss_mib() -> float:
+    """Resident host memory of this process (MiB)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class RowLog:
+    """Appends each row to a JSON-lines file as soon as it is measured (``--jsonl``)."""
+
+    def __init__(self, path):
+        self.path = path
+        if path:
+            open(path, "a").close()
+
+    def __call__(self, row):
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def packed_lengths(rng, total, lo=512, hi=16384):
+    """Document lengths of one packed micro-batch: varied, summing to ``total``."""
+    out, left = [], total
+    while left > 0:
+        n = int(min(left, rng.integers(lo, hi)))
+        out.append(n)
+        left -= n
+    return out
+
+
+def run_packed(a, log):
+    """Packed variable lengths: first call vs steady time per kernel, host memory (see module doc)."""
+    import numpy as np
+
+    import bytescale._C as C
+
+    cuda = a.cuda
+    dev = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    hq, hkv, d = (32, 8, 128) if cuda else (8, 2, 64)
+    total = a.packed_tokens or (65536 if cuda else 4096)
+    kernels = ["flash", "cudnn"] if cuda else ["tiled", "sdpa"]
+    print(f"# bench_ring_attention --packed ({datetime.date.today()}, "
+          f"{torch.cuda.get_device_name() if cuda else 'CPU'}, {dtype}, Hq={hq} Hkv={hkv} D={d}, "
+          f"{total} tokens per micro-batch, ring of {a.packed_ring}, torch {torch.__version__})\n")
+    print("| kernel | micro-batch | documents | first call (ms) | steady (ms) | host RSS (MiB) |\n|---|---|---|---|---|---|")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for kn in kernels:
+        rng = np.random.default_rng(0)  # the same mixes for every kernel
+        before = C.attention.kernel_choice()
+        C.attention.set_kernel_choice(kn)
+        try:
+            for i in range(a.packed_batches):
+                lens = packed_lengths(rng, total, hi=a.packed_max_doc)
+                g = torch.Generator(device=dev).manual_seed(i)
+                mk = lambda h: torch.randn(total, h, d, device=dev, dtype=dtype, generator=g)  # noqa: E731
+                q, k, v = (shard_order(x, lens, a.packed_ring).requires_grad_() for x in (mk(hq), mk(hkv), mk(hkv)))
+                dout = torch.randn_like(q)
+
+                def f():
+                    o = virtual_ring_attention(q, k, v, lens, a.packed_ring)
+                    torch.autograd.grad(o, (q, k, v), dout)
+                sync()
+                t0 = time.perf_counter()
+                f()
+                sync()
+                first = time.perf_counter() - t0
+                steady = timer(cuda)(f, a.reps)
+                row = dict(mode="packed", kernel=kn, micro_batch=i, documents=len(lens), tokens=total,
+                           ring=a.packed_ring, first_ms=first * 1e3, steady_ms=steady * 1e3, rss_mib=rss_mib())
+                log(row)
+                print(f"| {kn} | {i} | {len(lens)} | {first * 1e3:.1f} | {steady * 1e3:.1f} | {row['rss_mib']:.0f} |",
+                      flush=True)
+        finally:
+            C.attention.set_kernel_choice(before)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cuda", action="store_true")
@@ -118,7 +208,17 @@ def main(argv=None):
     ap.add_argument("--lengths", type=int, nargs="*")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--png", help="plot efficiency vs N here")
+    ap.add_argument("--jsonl", help="append every row here as soon as it is measured")
+    ap.add_argument("--packed", action="store_true", help="packed variable lengths (see module doc)")
+    ap.add_argument("--packed-tokens", type=int, default=0, help="tokens per packed micro-batch")
+    ap.add_argument("--packed-batches", type=int, default=6, help="packed micro-batches per kernel")
+    ap.add_argument("--packed-ring", type=int, default=4, help="virtual ring size of the packed runs")
+    ap.add_argument("--packed-max-doc", type=int, default=16384, help="longest packed document")
     a = ap.parse_args(argv)
+    log = RowLog(a.jsonl)
+    if a.packed:
+        run_packed(a, log)
+        return
     cuda = a.cuda
     dev = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -161,6 +261,7 @@ def main(argv=None):
                            **{f"sdpa_{r}_ms": ref_t[r] * 1e3 for r in refs},
                            **{f"eff_{kn}_{r}": ref_t[r] / t[kn] for kn in kernels for r in refs})
                 rows.append(row)
+                log(row)
                 print(f"| {s} | {'fwd+bwd' if bwd else 'fwd'} | {n} | " +
                       " | ".join(f"{t[kn] * 1e3:.2f}" for kn in kernels) + f" | {row['tflops']:.3g} | " +
                       " | ".join(f"{ref_t[r] * 1e3:.2f}" for r in refs) + " | " +

@@ -15,7 +15,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 import torch.distributed  # noqa: F401  (c10d types must be registered before _C)
 
 from . import _C  # noqa: F401
-from . import attention, comm, config, planner, runtime  # noqa: F401
+from . import attention, comm, config, planner, runtime, testing  # noqa: F401
 from .attention import Layout, ring_attention, varlen_attention
 from .comm import BACKEND_NAME, DynamicGroup, clear_dynamic_groups, dynamic_group, world_backend
 from .comm.mesh import Mesh, current_mesh, init_mesh, mesh_from_device_mesh
@@ -24,6 +24,8 @@ from .planner import CostModel, MicroBatchPlan, Plan, UnitMap, plan, profile
 from .runtime import HybridDataParallel, StepExecutor, offload, token_level_loss
 
 __version__ = "0.2.0"
+
+testing.install_from_env()  # BYTESCALE_NCCL_ORDER=1: backward on a separate thread, as on CUDA
 
 __all__ = [
     "BACKEND_NAME", "DynamicGroup", "dynamic_group", "clear_dynamic_groups", "world_backend",

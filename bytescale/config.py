@@ -171,6 +171,11 @@ ENV_KNOBS = {
         "1", "0 turns off ring attention's agreement check (members compare a digest of documents, "
              "ring order, dtype, head shapes, causal, scale before any K/V moves; same value on "
              "every rank); read once per process (csrc/common/env.h)."),
+    "BYTESCALE_NCCL_ORDER": (
+        "0", "1: CUDA's execution model on CPU, for tests: every operation of a rank (world and dynamic-group "
+             "collectives, point-to-point exchanges) on one in-order queue, as on one NCCL stream, and every "
+             "backward on a separate thread, as CUDA autograd does (bytescale.testing); read once per process "
+             "(csrc/common/env.h)."),
     "BYTESCALE_ATTENTION_KERNEL": (
         "auto", "per-ring-step attention kernel: auto, flash, cudnn (CUDA), sdpa (CPU) or tiled; read once "
                 "per process (csrc/common/env.h)."),

@@ -1,11 +1,15 @@
 """One-GPU smoke run of the bytescale backend's CUDA path, from init to interpreter exit (the
 place where teardown-order bugs show): world collectives, a dynamic group, ring attention of
 one, destroy_process_group. Run it under cuda-gdb to get a native backtrace of a crash."""
-import torch
-import torch.distributed as dist
+import argparse
 
-import bytescale
-from bytescale.attention import ring_attention
+argparse.ArgumentParser(description=__doc__).parse_args()  # --help only; runs on cuda:0
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import bytescale  # noqa: E402
+from bytescale.attention import ring_attention  # noqa: E402
 
 dist.init_process_group("bytescale", store=dist.HashStore(), rank=0, world_size=1,
                         device_id=torch.device("cuda", 0))

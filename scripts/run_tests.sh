@@ -19,4 +19,12 @@ bash scripts/sanitize.sh
 
 echo "== Python tests (pytest) =="
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# (tests/cuda/test_gpu_check_dry_run.py runs `bash scripts/gpu_check.sh --dry-run` here: every
+# path, test and script the GPU check names must resolve on CPU.)
 "$PY" -m pytest tests -q "$@"
+
+echo "== CUDA's execution model on CPU (BYTESCALE_NCCL_ORDER=1) =="
+# One in-order queue per group's transport (as one NCCL stream per communicator) and every
+# backward on a separate thread (as CUDA autograd's device thread): the multi-process runtime,
+# attention and HF-training tests again (bytescale/testing.py).
+BYTESCALE_NCCL_ORDER=1 "$PY" -m pytest tests/runtime tests/attention tests/train/test_train_hf.py -q "$@"

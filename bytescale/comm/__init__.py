@@ -64,6 +64,7 @@ from .. import _torch_private as _tp
 __all__ = [
     "BACKEND_NAME",
     "GroupOptions",
+    "agree",
     "DynamicGroup",
     "dynamic_group",
     "world_backend",
@@ -195,6 +196,13 @@ def _create_backend(dist_opts, pg_options):
         backend = _C.comm.BytescaleBackend(store, rank, size, timeout, gloo)
         _world_backend = backend
         _group_cache.clear()
+        bound = getattr(getattr(dist_opts, "process_group", None), "bound_device_id", None)
+        if bound is not None and torch.device(bound).type != "cpu":
+            # init_process_group(device_id=...): torch connects eagerly only backends that support
+            # splitting (torch 2.14, distributed_c10d._new_process_group_helper), which this one
+            # does not, so the world communicator is created here, on every rank, before any
+            # ring, dynamic-group op or send/recv needs it.
+            backend.eager_connect_single_device(torch.device(bound))
         return _named(backend, dist_opts, caller)
 
 
@@ -313,3 +321,20 @@ def clear_dynamic_groups() -> None:
 
 
 _register()
+
+
+def agree(values: Sequence[int], what: str, ranks: Optional[Sequence[int]] = None,
+          kind: str = "user") -> list:
+    """The agreement primitive (``csrc/comm/agreement.h``) from Python: every member of ``ranks``
+    (ordered global ranks, default the world) sends its ``values`` (at most 15 int64) and gets
+    every member's, padded with zeros to 15, as a list of rows in group order.
+
+    It is the exchange behind the collective consistency check, ring attention's agreement check
+    and the loader's plan check (``kind="plan"``): one fixed-size message per pair, over the world
+    CPU transport's host channel (never queued behind communication, on CUDA not on the NCCL
+    stream), so members that are in different kinds of agreement raise naming both. Every member
+    must call it; it blocks until all did (or the world group's timeout).
+    """
+    payload = [int(v) for v in values]
+    return _C.comm.agree(payload, str(what), kind, None if ranks is None else [int(r) for r in ranks])
+

@@ -8,8 +8,10 @@ the typed micro-batch plan and its attention layout (always attached).
 
 Planning: every rank plans the same metadata deterministically (the planner is C++ and takes
 milliseconds even for 16K ranks), which needs no broadcast and no central planner process; a
-fingerprint of the plan is all-reduced once per step (MIN and MAX of a 63-bit hash) so ranks with
-mismatched configurations fail with a clear error instead of deadlocking in a ring.
+63-bit fingerprint of the plan is compared across ranks once per step so ranks with
+mismatched configurations fail with a clear error instead of deadlocking in a ring. The check
+is the agreement primitive (:func:`bytescale.comm.agree`: every rank sees every rank's
+fingerprint; an all-reduce of MIN and MAX under another backend).
 
 Token order inside a micro-batch (:meth:`MicroBatchPlan.token_ranges`): the local documents first
 (whole), then each sharded document's two zig-zag chunks. Labels are the next token of the SAME
@@ -242,7 +244,23 @@ class HDPLoader:
 
         if not (self.config.check_plan and dist.is_initialized()):
             return
-        fp = torch.tensor([step.info["fingerprint"], -step.info["fingerprint"]], dtype=torch.long)
+        mine = step.info["fingerprint"]
+        from .. import _C
+        from ..comm import agree
+
+        if _C.comm.has_world_transport("cpu"):
+            # The agreement primitive (the same exchange as the collective and ring checks): every
+            # rank sees every rank's fingerprint and raises the same error.
+            rows = agree([mine], f"HDPLoader step {step.index} (plan check)", kind="plan")
+            bad = [r for r, row in enumerate(rows) if row[0] != rows[0][0]]
+            if bad:
+                raise RuntimeError(
+                    f"HDPLoader: step {step.index}: ranks planned different global batches (rank "
+                    f"{bad[0]} fingerprint {rows[bad[0]][0]:#x}, rank 0 {rows[0][0]:#x}); dataset, "
+                    "seed, tokens_per_batch, world size and planner options must match on every rank"
+                )
+            return
+        fp = torch.tensor([mine, -mine], dtype=torch.long)
         dist.all_reduce(fp, op=dist.ReduceOp.MAX)
         if int(fp[0]) != step.info["fingerprint"] or -int(fp[1]) != step.info["fingerprint"]:
             raise RuntimeError(

@@ -324,8 +324,15 @@ class Plan:
         slots = self.group_lockstep(group) if group else self.lockstep()
         mine = self.micro_batches(rank, sample_ids)
         base = int(self._p.rank_mb[unit])
-        return [MicroBatchPlan(rank, k) if m < 0 else replace(mine[int(m) - base], index=k)
-                for k, m in enumerate(slots[unit]) if k < self._group_slots(slots, unit, group)]
+        count = [self._group_slots(slots, u, group) for u in range(slots.shape[0])]
+
+        def last_on_all(mb: MicroBatchPlan, k: int) -> bool:
+            # ring members meet in one slot: it ends every member's step when it is each one's last
+            return bool(mb.ring) and all(k == count[self.units.unit_of(r)] - 1 for r in mb.ring)
+
+        return [MicroBatchPlan(rank, k) if m < 0 else
+                replace(mine[int(m) - base], index=k, ring_is_last_on_all=last_on_all(mine[int(m) - base], k))
+                for k, m in enumerate(slots[unit].tolist()) if k < count[unit]]
 
     def group_lockstep(self, group: int) -> np.ndarray:
         """Lockstep slots for expert parallelism: int64 ``[units, slots]`` as :meth:`lockstep`, but
@@ -389,6 +396,7 @@ class Plan:
         rank_mb, mb_seg = p.rank_mb, p.mb_seg
         seg_seq, seg_size, seg_pos = p.seg_seq, p.seg_ring_size, p.seg_ring_pos
         grp, ring_grp, ring_ids, ratio, cost = p.grp_ranks, p.ring_grp, p.mb_ring, p.mb_offload, p.mb_cost
+        last_ring = self._last_ring_of_each_rank()
         out = []
         for i, m in enumerate(range(int(rank_mb[unit]), int(rank_mb[unit + 1]))):
             local, sharded, pos = [], [], 0
@@ -401,12 +409,21 @@ class Plan:
                 else:
                     local.append(ref)
             rid = int(ring_ids[m])
-            ring = () if rid < 0 else units.ring(grp[int(ring_grp[rid]):int(ring_grp[rid + 1])].tolist(),
-                                                 tp_index)
+            ring_units = [] if rid < 0 else grp[int(ring_grp[rid]):int(ring_grp[rid + 1])].tolist()
+            ring = () if rid < 0 else units.ring(ring_units, tp_index)
             out.append(MicroBatchPlan(rank=rank, index=i, local=tuple(local), sharded=tuple(sharded),
                                       ring=ring, ring_pos=pos, ring_id=int(ring_ids[m]),
-                                      offload_ratio=float(ratio[m]), predicted_time=float(cost[m])))
+                                      offload_ratio=float(ratio[m]), predicted_time=float(cost[m]),
+                                      ring_is_last_on_all=bool(ring) and all(last_ring[u] == rid for u in ring_units)))
         return out
+
+    def _last_ring_of_each_rank(self) -> List[int]:
+        """Per HDP unit (the planner's ranks), the ring id of its last micro-batch (-1: a local
+        one, -2: none)."""
+        p = self._p
+        rank_mb, ring_ids = np.asarray(p.rank_mb), np.asarray(p.mb_ring)
+        return [int(ring_ids[rank_mb[r + 1] - 1]) if rank_mb[r + 1] > rank_mb[r] else -2
+                for r in range(p.world_size)]
 
     def ring_sizes(self) -> Dict[int, int]:
         """Sequence index -> number of ranks it is sharded over (sharded sequences only)."""

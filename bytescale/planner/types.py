@@ -44,6 +44,11 @@ class MicroBatchPlan:
     ranks), this rank at ``ring_pos``; ``ring_id`` is the ring's place in the step's one global ring
     order (-1 for a local micro-batch). ``offload_ratio``: share of the micro-batch's activations
     to move to host memory (paper Eq. 3). ``predicted_time``: the planner's cost-model time (s).
+    ``ring_is_last_on_all``: a ring micro-batch that EVERY member of its ring runs as its last
+    micro-batch of the step. Gradient sync may then start during its backward (on one NCCL stream
+    every member queues it at the same point between the ring's exchanges); when some member still
+    has micro-batches after the ring, it must wait for the backward's end, or the gradient
+    all-reduce and the ring's exchanges form a cycle (:class:`bytescale.HybridDataParallel`).
     """
 
     rank: int
@@ -55,6 +60,7 @@ class MicroBatchPlan:
     ring_id: int = -1
     offload_ratio: float = 0.0
     predicted_time: float = 0.0
+    ring_is_last_on_all: bool = False
 
     def __post_init__(self) -> None:
         if self.sharded and not self.ring:
@@ -144,6 +150,8 @@ class MicroBatchPlan:
             bad("ring_id", self.ring_id)
         if not all(is_int(r) and r >= 0 for r in self.ring) or len(set(self.ring)) != len(self.ring):
             bad("ring", self.ring)
+        if not isinstance(self.ring_is_last_on_all, bool):
+            bad("ring_is_last_on_all", self.ring_is_last_on_all)
         for name in ("offload_ratio", "predicted_time"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:

@@ -7,6 +7,15 @@ complete, overlapping the rest of that backward; :meth:`HybridDataParallel.finis
 what is left (a rank with no micro-batch contributes zeros), waits, and writes the summed gradients
 back. Buckets always start in the same order on every rank, so the collectives match.
 
+The overlap is kept only where the order of operations allows it. On CUDA the gradient
+all-reduces and ring attention's exchanges run in issue order on ONE NCCL stream: when a rank's
+last micro-batch is a ring that some member runs BEFORE other micro-batches, this rank would queue
+the all-reduce between the ring's exchanges while that member queues it after its remaining
+micro-batches, a cycle that deadlocks. The plan knows
+(:attr:`~bytescale.planner.MicroBatchPlan.ring_is_last_on_all`); in that case the buckets start
+after the backward, in :meth:`finish_step`. (A ring that is last on every member, or a local last
+micro-batch, overlaps as before: every member then queues the buckets at the same points.)
+
 The reduction is a SUM: combined with :func:`bytescale.runtime.token_level_loss` (divide by the global
 number of loss tokens) the result equals single-device training on the global batch.
 
@@ -203,9 +212,10 @@ class HybridDataParallel(nn.Module):
         host memory during forward and returns for backward (:class:`bytescale.offload`;
         gradients unchanged); ``offload_ratio`` (0-1) overrides it. ``last=True`` on the rank's
         final micro-batch of the step: its backward starts the gradient all-reduce, bucket by
-        bucket. The two halves are :meth:`forward_scope` and :meth:`backward_scope`, which a
-        schedule that separates forward and backward (:class:`bytescale.runtime.StepExecutor`)
-        enters one at a time.
+        bucket (unless it is a ring that another member does not run last: then
+        :meth:`finish_step` starts it). The two halves are :meth:`forward_scope` and
+        :meth:`backward_scope`, which a schedule that separates forward and backward
+        (:class:`bytescale.runtime.StepExecutor`) enters one at a time.
         """
         with self.forward_scope(mb, offload_ratio), self.backward_scope(mb, last):
             yield
@@ -236,10 +246,13 @@ class HybridDataParallel(nn.Module):
                        layout: Optional[Layout] = None) -> Iterator[None]:
         """The backward half of :meth:`micro_batch`: the micro-batch's layout is the current one
         (recomputation under activation checkpointing runs its forward again) and, when ``last``,
-        its backward starts the gradient synchronisation."""
+        its backward starts the gradient synchronisation (unless it is a ring that another member
+        does not run last: then :meth:`finish_step` starts it, see the module docstring)."""
         if not self._in_step:
             self._start_step()
-        self._sync = last
+        # Overlap gradient sync with this backward unless a ring member still has micro-batches
+        # after this ring (one NCCL stream per rank): then everything starts in finish_step().
+        self._sync = last and (not mb.plan.is_ring or mb.plan.ring_is_last_on_all)
         if self.fsdp:
             self.module.set_requires_gradient_sync(last)
         try:

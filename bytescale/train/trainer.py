@@ -344,6 +344,8 @@ class Trainer:
             if step.index != self.step:
                 raise RuntimeError(f"loader at step {step.index}, trainer at {self.step}")
             self.logger.samples(step.index, step.sample_ids)
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
             out = self.train_step(step)
             elapsed = time.perf_counter() - t0
             # every TP rank of a unit computes the unit's loss: count it once (TP index 0)
@@ -369,6 +371,9 @@ class Trainer:
                    "ring_sizes": sorted(rings.values(), reverse=True)[:8],
                    "sequences": len(lengths), "sharded_sequences": len(rings),
                    "sharded_tokens": int(sum(lengths[i] for i in rings if i < len(lengths)))}
+            if self.device.type == "cuda":  # this rank's peak device memory in the step
+                rec["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+                rec["max_memory_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
             self.logger.log(rec, step.plan.summary())
             self.step += 1
             if self.checkpointer is not None:

@@ -4,11 +4,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <mutex>
 #include <cstring>
 #include <sstream>
 
+#include "comm/agreement.h"
 #include "comm/checks.h"
-#include "comm/group_ops.h"
 #include "common/env.h"
 
 namespace bytescale {
@@ -24,7 +25,6 @@ enum Field : int {
 static_assert(kBf16 + 1 == kDigestLen, "digest layout");
 
 constexpr int64_t kTagValue = 0x52494e4701;  // "RING" + layout version 1
-constexpr int kOneShotMax = 16;              // all-to-all up to this many members, else ring
 constexpr size_t kMaxErrorBytes = 4096;
 constexpr size_t kMaxListed = 24;            // values of a list shown in a message
 
@@ -100,25 +100,6 @@ at::Tensor onTransport(const at::Tensor& t, const comm::Transport& tr) {
   return tr.deviceType() == c10::DeviceType::CPU ? t : t.to(at::Device(tr.deviceType()));
 }
 
-// Every member sends `mine` (on the transport's device) to every other; table row j gets member
-// j's. One round trip up to kOneShotMax members, a ring all-gather above.
-void gatherDigests(comm::Transport& tr, const comm::RankMap& g, const at::Tensor& mine,
-                   at::Tensor& table, const std::string& what) {
-  const int n = g.size(), me = g.myIndex();
-  if (n > kOneShotMax) {
-    comm::group_ops::allGather(tr, g, table, mine, what);
-    return;
-  }
-  table[me].copy_(mine);
-  std::vector<comm::P2POp> ops;
-  for (int j = 0; j < n; ++j) {
-    if (j == me) continue;
-    ops.push_back({comm::P2POp::kSend, g.globalRank(j), mine});
-    ops.push_back({comm::P2POp::kRecv, g.globalRank(j), table[j]});
-  }
-  tr.exchange(ops, what)->wait();
-}
-
 // Members `senders` (group indices, distinct) send their payload to every other member; returns
 // each sender's payload (CPU) as received (or this member's own). sizes[j]: member j's length.
 std::vector<at::Tensor> shareFrom(comm::Transport& tr, const comm::RankMap& g,
@@ -151,6 +132,59 @@ at::Tensor payloadOf(const RingView& v) {
 }
 
 }  // namespace
+
+namespace {
+
+struct Scope {
+  std::mutex mu;
+  uint64_t id = 0;  // 0: no scope
+  uint64_t counter = 0;
+  std::vector<std::vector<int64_t>> agreed;  // digests (status cleared) agreed in the scope
+};
+
+Scope& scope() {
+  static auto* s = new Scope();  // never destroyed (used from any thread until exit)
+  return *s;
+}
+
+std::atomic<int64_t>& exchanges() {
+  static std::atomic<int64_t> n{0};
+  return n;
+}
+
+}  // namespace
+
+int64_t ringAgreementExchanges() { return exchanges().load(); }
+
+uint64_t enterAgreementScope() {
+  Scope& s = scope();
+  std::lock_guard<std::mutex> g(s.mu);
+  const uint64_t prev = s.id;
+  s.id = ++s.counter;
+  s.agreed.clear();
+  return prev;
+}
+
+void exitAgreementScope(uint64_t previous) {
+  Scope& s = scope();
+  std::lock_guard<std::mutex> g(s.mu);
+  s.id = previous;  // the outer scope restarts empty: at worst a call is checked again
+  s.agreed.clear();
+}
+
+bool agreedInScope(const RingView& v, bool remember) {
+  at::Tensor d = ringDigest(v);
+  const int64_t* p = d.data_ptr<int64_t>();
+  std::vector<int64_t> key(p, p + kDigestLen);
+  key[kStatus] = 0;
+  key.insert(key.end(), v.ranks.begin(), v.ranks.end());  // exact ring, not only its hash
+  Scope& s = scope();
+  std::lock_guard<std::mutex> g(s.mu);
+  if (s.id == 0) return false;
+  if (std::find(s.agreed.begin(), s.agreed.end(), key) != s.agreed.end()) return true;
+  if (remember) s.agreed.push_back(std::move(key));
+  return false;
+}
 
 bool ringChecksEnabled() { return flag().load(std::memory_order_relaxed); }
 void setRingChecksEnabled(bool on) { flag().store(on); }
@@ -194,11 +228,16 @@ void checkRingAgreement(comm::Transport& tr, const comm::RankMap& group, const R
   const int n = g.size();
   const std::string tag = what + " (ring agreement check)";
 
+  exchanges().fetch_add(1, std::memory_order_relaxed);
   at::Tensor digest = ringDigest(mine);
-  at::Tensor table = at::empty({n, kDigestLen}, optionsFor(tr, at::kLong));
-  gatherDigests(tr, g, onTransport(digest, tr), table, tag);
-  table = table.cpu().contiguous();
-  const int64_t* rows = table.data_ptr<int64_t>();
+  const int64_t* d = digest.data_ptr<int64_t>();
+  // Phase 1: the agreement primitive (comm/agreement.h) over `tr` (the host channel: a CUDA ring's
+  // check needs no device synchronisation and never waits behind the NCCL stream).
+  auto agreed = comm::agree(tr, g, comm::AgreementKind::kRingAttention,
+                            std::vector<int64_t>(d, d + kDigestLen), tag);
+  std::vector<int64_t> flat;
+  for (const auto& r : agreed) flat.insert(flat.end(), r.begin(), r.begin() + kDigestLen);
+  const int64_t* rows = flat.data();
   auto row = [&](int j) { return rows + static_cast<int64_t>(j) * kDigestLen; };
 
   // A member whose own inputs were invalid: it tells the others why, every member raises.

@@ -52,8 +52,23 @@ constexpr int kDigestLen = 14;
 // The digest of a view (CPU int64 tensor of kDigestLen values).
 at::Tensor ringDigest(const RingView& v);
 
-// Exchanges digests among the ring's members (group: the ring, this process a member) over `tr`
-// and throws the same c10::Error on every member when any member's inputs were invalid or the
+// Agreement scopes: bytescale.attention.micro_batch_context enters one per micro-batch. Inside a
+// scope a member checks a ring call only the first time it sees its digest (documents, ring,
+// dtype, head shapes, causal, scale, bf16 traffic); later layers and the activation-checkpoint
+// recompute of the same call skip the exchange (a blocking host round trip on CUDA). Every member
+// of a ring runs the ring in one micro-batch, so all skip the same calls. Outside any scope every
+// call is checked. Process-wide (the recompute runs on autograd's device thread on CUDA).
+uint64_t enterAgreementScope();          // returns the scope it replaces (for exit)
+void exitAgreementScope(uint64_t previous);
+// Whether `v` (its input error ignored) was agreed in the current scope; remembers it as agreed
+// when `remember` (after a check passed).
+bool agreedInScope(const RingView& v, bool remember = false);
+// Agreement exchanges this process ran for ring attention so far (tests count them).
+int64_t ringAgreementExchanges();
+
+// Exchanges digests among the ring's members (group: the ring, this process a member) through the
+// agreement primitive (comm/agreement.h) over `tr` (the host channel, comm::hostChannel()) and
+// throws the same c10::Error on every member when any member's inputs were invalid or the
 // views differ. `what` names the op and ring for messages. Raises this member's own input error
 // (after telling the others) when it has one. No-op for a ring of one.
 void checkRingAgreement(comm::Transport& tr, const comm::RankMap& group, const RingView& mine,

@@ -29,6 +29,7 @@
 #include "attention/block_step.h"
 #include "attention/ring_agreement.h"
 #include "attention/zigzag.h"
+#include "comm/agreement.h"
 #include "comm/schedule.h"
 #include "comm/transport.h"
 
@@ -173,11 +174,13 @@ RingView viewOf(const at::Tensor& q, const at::Tensor& k, c10::IntArrayRef doc_l
   return v;
 }
 
-// The transport the agreement check runs on: the world's CPU (Gloo) transport when there is one,
-// so a CUDA ring's check needs no device synchronisation; else the ring's own.
-comm::Transport& checkTransport(const Ring& ring) {
-  auto cpu = comm::worldTransport(c10::DeviceType::CPU);
-  return cpu ? *cpu : *ring.tr;
+// The transport the agreement check runs on: the host channel of the world's CPU (Gloo) transport
+// when there is one (comm/agreement.h: a CUDA ring's check needs no device synchronisation and
+// never waits behind the NCCL stream; in NCCL-order mode never behind the in-order queue); else
+// the ring's own.
+std::shared_ptr<comm::Transport> checkTransport(const Ring& ring) {
+  auto host = comm::hostChannel();
+  return host ? host : ring.tr;
 }
 
 }  // namespace
@@ -210,10 +213,15 @@ std::tuple<at::Tensor, at::Tensor> ringFwd(const at::Tensor& q, const at::Tensor
   // dtype, head shapes, causal, scale, bf16 dK/dV traffic) before any K/V moves; a mismatch
   // raises on every member naming both views. The backward (ringBwd) relies on this check: autograd
   // calls it with the forward's very arguments, so it does not repeat the exchange.
+  // Inside an agreement scope (a micro-batch) a call already agreed on is not exchanged again
+  // (later layers, the activation-checkpoint recompute).
   if (n > 1 && ringChecksEnabled()) {
     RingView view = viewOf(q, k, doc_lens, ranks, causal, scale, bf16_grad_comm);
     view.error = local_message;
-    checkRingAgreement(checkTransport(ring), *ring.group, view, ring.what);
+    if (!agreedInScope(view)) {
+      checkRingAgreement(*checkTransport(ring), *ring.group, view, ring.what);
+      agreedInScope(view, /*remember=*/true);
+    }
   }
   if (local_error) std::rethrow_exception(local_error);
   const double sc = resolveScale(scale, q);

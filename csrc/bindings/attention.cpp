@@ -51,6 +51,12 @@ void bind_attention(pybind11::module_& m) {
           const auto* k = attention::findKernel("cudnn");
           return k != nullptr && k->disabled();
         }, "True once cuDNN rejected a configuration (steps then use flash attention).");
+  m.def("enter_agreement_scope", &attention::enterAgreementScope,
+        "Start a micro-batch's agreement scope (ring calls agreed once per scope); returns the "
+        "scope to restore with exit_agreement_scope.");
+  m.def("exit_agreement_scope", &attention::exitAgreementScope, py::arg("previous"));
+  m.def("ring_agreement_exchanges", &attention::ringAgreementExchanges,
+        "Ring agreement exchanges this process ran so far.");
   m.def("ring_checks_enabled", &attention::ringChecksEnabled,
         "Whether ring attention's members check that they agree on the call before K/V moves.");
   m.def("set_ring_checks", &attention::setRingChecksEnabled, py::arg("enabled"),

@@ -6,11 +6,15 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include "comm/agreement.h"
 #include "comm/backend.h"
 #include "comm/dynamic_group.h"
 #include "comm/consistency.h"
 #include "comm/device_backends.h"
 #include "comm/schedule.h"
+#include "comm/staged_transport.h"
+#include "comm/group_ops.h"
+#include "common/env.h"
 
 namespace py = pybind11;
 
@@ -90,6 +94,14 @@ void bind_comm(py::module_& m) {
       .def_property_readonly("is_world", &BytescaleBackend::isWorld)
       .def_property_readonly("global_ranks", &BytescaleBackend::globalRanks)
       .def_property_readonly("timeout", &BytescaleBackend::timeout)
+      .def(
+          "device_connected",
+          [](const BytescaleBackend& b, const std::string& device) {
+            return b.deviceConnected(c10::Device(device).type());
+          },
+          py::arg("device"),
+          "Whether the world communicator of a device plug-in exists (cuda: the NCCL "
+          "communicator, created by device_id= or the first world collective).")
       .def("_shutdown", &BytescaleBackend::shutdown, py::call_guard<py::gil_scoped_release>());
 
   py::class_<DynamicGroupBackend, c10d::Backend, c10::intrusive_ptr<DynamicGroupBackend>>(
@@ -137,6 +149,73 @@ void bind_comm(py::module_& m) {
       py::arg("device"),
       "True when a communication plug-in registered itself for the device type (cuda: the NCCL "
       "backend of CUDA builds).");
+
+  m.def(
+      "agree",
+      [](const std::vector<int64_t>& payload, const std::string& what, const std::string& kind,
+         std::optional<std::vector<int>> ranks) {
+        auto host = comm::hostChannel();
+        TORCH_CHECK(host, "bytescale.comm.agree (", what,
+                    "): call dist.init_process_group(\"bytescale\") first");
+        std::vector<int> members;
+        if (ranks) {
+          members = *ranks;
+        } else {
+          for (int r = 0; r < host->worldSize(); ++r) members.push_back(r);
+        }
+        comm::AgreementKind k = comm::AgreementKind::kUser;
+        if (kind == "plan")
+          k = comm::AgreementKind::kPlan;
+        else
+          TORCH_CHECK(kind == "user", "bytescale.comm.agree: kind must be 'plan' or 'user', got '",
+                      kind, "'");
+        comm::RankMap g(std::move(members), host->worldSize(), host->rank());
+        return comm::agree(*host, g, k, payload, what);
+      },
+      py::arg("payload"), py::arg("what"), py::arg("kind") = "user", py::arg("ranks") = py::none(),
+      py::call_guard<py::gil_scoped_release>(),
+      "The agreement primitive (csrc/comm/agreement.h) on the host channel: every member of "
+      "`ranks` (default: the world) sends its int64 payload (at most 15 values) and gets every "
+      "member's, padded to 15, in group order.");
+  // The staged transport on CPU tensors (tests/comm/test_staged_transport.py): the same staging
+  // code the CUDA plug-in runs with BYTESCALE_CUDA_TRANSPORT=staged.
+  m.def(
+      "_staged_ring_step",
+      [](const at::Tensor& send, const at::Tensor& recv, std::vector<int> ranks, bool posted) {
+        auto cpu = comm::requireTransport(c10::DeviceType::CPU, "staged ring step");
+        auto tr = std::make_shared<comm::StagedTransport>(send.device().type(), cpu);
+        comm::RankMap g(std::move(ranks), cpu->worldSize(), cpu->rank());
+        auto ops = comm::Transport::ringStepOps(send, g.next(), recv, g.prev());
+        if (posted) {
+          comm::WorkInfo info;
+          info.what = "staged ring step";
+          info.timeout = cpu->timeout();
+          tr->post(ops, info)->wait();
+        } else {
+          tr->exchange(ops, "staged ring step")->wait();
+        }
+      },
+      py::arg("send"), py::arg("recv"), py::arg("ranks"), py::arg("posted") = false,
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "_staged_all_reduce",
+      [](const at::Tensor& t, std::vector<int> ranks) {
+        auto cpu = comm::requireTransport(c10::DeviceType::CPU, "staged all_reduce");
+        auto tr = std::make_shared<comm::StagedTransport>(t.device().type(), cpu);
+        auto g = std::make_shared<const comm::RankMap>(std::move(ranks), cpu->worldSize(),
+                                                       cpu->rank());
+        comm::WorkInfo info;
+        info.what = "staged all_reduce";
+        info.timeout = cpu->timeout();
+        tr->run(info, {t}, [tr, g, t] {
+              comm::group_ops::allReduce(*tr, *g, t, c10d::ReduceOp(c10d::ReduceOp::SUM),
+                                         "staged all_reduce");
+            }, {t})->wait();
+      },
+      py::arg("tensor"), py::arg("ranks"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "nccl_order", [] { return env::knobs().nccl_order; },
+      "True when BYTESCALE_NCCL_ORDER=1 (CUDA's execution model on CPU, for tests).");
 
   m.def("collective_checks_enabled", &comm::checksEnabled);
   m.def("set_collective_checks", &comm::setChecksEnabled, py::arg("enabled"),

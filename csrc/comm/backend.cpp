@@ -101,17 +101,6 @@ c10::intrusive_ptr<c10d::Work> launchGloo(c10d::Backend& gloo, const Collective&
   }
 }
 
-// The fingerprint check through Gloo's own all-gather (fixed size, so it cannot mismatch), NOT
-// bytescale's P2P channel: world collectives may be issued while ring attention's P2P traffic is in
-// flight (gradient buckets during a ring micro-batch's backward), and only Gloo's collective
-// ordering is common to all ranks then.
-void checkThroughGloo(c10d::Backend& gloo, const RankMap& world, const Collective& c) {
-  at::Tensor fp = fingerprint(c);
-  at::Tensor flat = at::empty({world.size() * kFingerprintLen}, fp.options());
-  gloo._allgather_base(flat, fp)->wait();
-  verifyFingerprints(flat.view({world.size(), kFingerprintLen}), world, c.what);
-}
-
 }  // namespace
 
 BytescaleBackend::BytescaleBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
@@ -123,7 +112,7 @@ BytescaleBackend::BytescaleBackend(c10::intrusive_ptr<c10d::Store> store, int ra
   // on a CUDA tensor or by device_id=), so dynamic groups and ring attention find its transport
   // and can say precisely what is missing.
   if (hasDeviceBackend(c10::DeviceType::CUDA) && at::hasCUDA()) {
-    auto plugin = makeDeviceBackend(c10::DeviceType::CUDA, {store_, rank, size, timeout});
+    auto plugin = makeDeviceBackend(c10::DeviceType::CUDA, {store_, rank, size, timeout, cpu_});
     registerWorldTransport(c10::DeviceType::CUDA, plugin.transport);
     plugins_[c10::DeviceType::CUDA] = std::move(plugin);
   }
@@ -171,29 +160,30 @@ c10::intrusive_ptr<BytescaleBackend> BytescaleBackend::makeStatic(
                   " of the new group is not in the parent group");
       in_parent.push_back(static_cast<int>(it - parent->global_ranks_.begin()));
     }
-    auto cuda = parent->splitCuda(store, rank, in_parent, timeout);
+    auto cuda = parent->splitCuda(store, rank, in_parent, timeout, g->cpu_);
     if (cuda.backend) g->plugins_[c10::DeviceType::CUDA] = std::move(cuda);
   } else if (parent == nullptr && hasDeviceBackend(c10::DeviceType::CUDA) && at::hasCUDA()) {
     g->plugins_[c10::DeviceType::CUDA] =
-        makeDeviceBackend(c10::DeviceType::CUDA, {g->store_, rank, size, timeout});
+        makeDeviceBackend(c10::DeviceType::CUDA, {g->store_, rank, size, timeout, g->cpu_});
   }
   return g;
 }
 
 DeviceBackend BytescaleBackend::splitCuda(const c10::intrusive_ptr<c10d::Store>& store,
                                           int group_rank, const std::vector<int>& members,
-                                          std::chrono::milliseconds timeout) {
+                                          std::chrono::milliseconds timeout,
+                                          std::shared_ptr<Transport> cpu) {
   auto it = plugins_.find(c10::DeviceType::CUDA);
   if (it == plugins_.end()) return {};
   const int size = static_cast<int>(members.size());
   if (!it->second.split) {  // a plug-in that cannot split: the group's own, created lazily
     if (group_rank < 0) return {};
-    return makeDeviceBackend(c10::DeviceType::CUDA, {store, group_rank, size, timeout});
+    return makeDeviceBackend(c10::DeviceType::CUDA, {store, group_rank, size, timeout, cpu});
   }
   // Distinct groups of one split are disjoint: their first member (as a parent rank) tells them
   // apart, and every member computes the same color.
   const int color = group_rank < 0 ? -1 : *std::min_element(members.begin(), members.end());
-  return it->second.split({store, group_rank, size, timeout}, color, std::max(group_rank, 0));
+  return it->second.split({store, group_rank, size, timeout, cpu}, color, std::max(group_rank, 0));
 }
 
 void BytescaleBackend::performNoColorSplit(at::Device device) {
@@ -230,7 +220,7 @@ c10::intrusive_ptr<c10d::Backend> BytescaleBackend::split(
     auto child = c10::intrusive_ptr<BytescaleBackend>::unsafe_steal_from_new(
         new BytescaleBackend(store, group_rank, static_cast<int>(ranks.size()), timeout,
                              std::move(gloo), global, false));
-    auto cuda = splitCuda(store, group_rank, ranks, timeout);
+    auto cuda = splitCuda(store, group_rank, ranks, timeout, child->cpu_);
     if (cuda.backend) child->plugins_[c10::DeviceType::CUDA] = std::move(cuda);
     out = child;
   }
@@ -281,6 +271,12 @@ std::shared_ptr<Transport> BytescaleBackend::transport(c10::DeviceType device) c
   return it == plugins_.end() ? nullptr : it->second.transport;
 }
 
+bool BytescaleBackend::deviceConnected(c10::DeviceType device) const {
+  auto it = plugins_.find(device);
+  if (it == plugins_.end()) return false;
+  return !it->second.connected || it->second.connected();
+}
+
 const DeviceBackend& BytescaleBackend::plugin(c10::DeviceType device,
                                               const std::string& what) const {
   auto it = plugins_.find(device);
@@ -317,17 +313,20 @@ c10::intrusive_ptr<c10d::Work> BytescaleBackend::executeOnCpu(Collective c) {
   if (viaGroupOps(c))
     return cpu->run(std::move(inf), std::move(outputs),
                     [cpu, world, c = std::move(c)] { group_ops::run(*cpu, *world, c); });
-  if (!checksEnabled() || getSize() == 1)  // unchecked: Gloo's own Work, wrapped
+  const bool checked = checksEnabled() && getSize() > 1;
+  if (!checked && !cpu->inOrder())  // unchecked: Gloo's own Work, wrapped
     return adoptWork(launchGloo(*gloo_, c), getRank(), std::move(inf), std::move(outputs));
   // Checked: the fingerprint exchange is blocking, so the check AND the Gloo collective run on the
   // CPU transport's worker: the caller never blocks (a collective issued from an autograd hook
   // while a peer is still in ring attention must not stall this rank's own ring traffic), and
-  // all checked collectives (and barriers) keep one order per rank.
+  // all checked collectives (and barriers) keep one order per rank. The check's messages use the
+  // worker's own tag channel (gloo_transport.h), apart from ring attention's traffic. In
+  // NCCL-order mode every world collective runs there, in issue order with the exchanges.
   auto gloo = gloo_;
-  return cpu->run(std::move(inf), std::move(outputs), [gloo, cpu, world, c = std::move(c)] {
-    if (c.kind != CollectiveKind::kBarrier) {
-      cpu->noteNativeWait("Gloo's all_gather of the consistency check");
-      checkThroughGloo(*gloo, *world, c);
+  return cpu->run(std::move(inf), std::move(outputs), [gloo, cpu, world, checked, c = std::move(c)] {
+    if (checked && c.kind != CollectiveKind::kBarrier) {
+      cpu->noteNativeWait("the consistency check");
+      checkConsistent(*cpu, *world, c);
     }
     cpu->noteNativeWait(std::string("Gloo's ") + c.name);
     launchGloo(*gloo, c)->wait();

@@ -77,6 +77,8 @@ class BytescaleBackend final : public CollectiveBackend {
   void abort() override;
 
   std::shared_ptr<Transport> transport(c10::DeviceType device) const;
+  // Whether the device plug-in's world communicator exists (false without a plug-in).
+  bool deviceConnected(c10::DeviceType device) const;
 
  protected:
   void checkOpen(const std::string& what) const override;
@@ -91,8 +93,10 @@ class BytescaleBackend final : public CollectiveBackend {
   const DeviceBackend& plugin(c10::DeviceType device, const std::string& what) const;
   // The CUDA plug-in of a static group of `global_ranks` split from this backend's (member), or
   // this rank's no-color part of the split (non-member: color < 0; returns an empty plug-in).
+  // `cpu`: the new group's CPU transport (a member's; the staged transport runs over it).
   DeviceBackend splitCuda(const c10::intrusive_ptr<c10d::Store>& store, int group_rank,
-                          const std::vector<int>& global_ranks, std::chrono::milliseconds timeout);
+                          const std::vector<int>& global_ranks, std::chrono::milliseconds timeout,
+                          std::shared_ptr<Transport> cpu = nullptr);
   c10::intrusive_ptr<c10d::Work> executeOnCpu(Collective c);
 
   c10::intrusive_ptr<c10d::Store> store_;

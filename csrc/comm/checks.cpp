@@ -33,10 +33,48 @@ std::vector<int64_t> normalizeSplits(std::vector<int64_t> splits, int64_t dim0, 
   return splits;
 }
 
-int firstMismatchingRow(const int64_t* rows, int n) {
+int firstMismatchingRow(const int64_t* rows, int n, int len) {
   for (int j = 1; j < n; ++j)
-    for (int k = 0; k < kFingerprintLen; ++k)
-      if (rows[static_cast<int64_t>(j) * kFingerprintLen + k] != rows[k]) return j;
+    for (int k = 0; k < len; ++k)
+      if (rows[static_cast<int64_t>(j) * len + k] != rows[k]) return j;
+  return -1;
+}
+
+namespace {
+constexpr int64_t kAgreementMagic = 0x4147520000LL;  // "AGR" << 16
+}  // namespace
+
+int64_t agreementHeader(AgreementKind kind) {
+  return kAgreementMagic | static_cast<int64_t>(kind);
+}
+
+std::string agreementKindName(int64_t header) {
+  if ((header & ~int64_t{0xFFFF}) != kAgreementMagic)
+    return "an exchange that is not an agreement (header " + std::to_string(header) + ")";
+  switch (static_cast<AgreementKind>(header & 0xFFFF)) {
+    case AgreementKind::kCollective: return "the consistency check of a collective";
+    case AgreementKind::kRingAttention: return "ring attention's agreement check";
+    case AgreementKind::kPlan: return "the loader's plan check";
+    case AgreementKind::kUser: return "bytescale.comm.agree";
+  }
+  return "an agreement of unknown kind " + std::to_string(header & 0xFFFF);
+}
+
+std::vector<int64_t> agreementRow(AgreementKind kind, const std::vector<int64_t>& payload,
+                                  const std::string& what) {
+  if (static_cast<int>(payload.size()) > kAgreementPayload)
+    throw std::invalid_argument("bytescale " + what + ": an agreement digest holds at most " +
+                                std::to_string(kAgreementPayload) + " values, got " +
+                                std::to_string(payload.size()));
+  std::vector<int64_t> row(kAgreementLen, 0);
+  row[0] = agreementHeader(kind);
+  for (size_t i = 0; i < payload.size(); ++i) row[i + 1] = payload[i];
+  return row;
+}
+
+int firstKindMismatch(const int64_t* rows, int n) {
+  for (int j = 1; j < n; ++j)
+    if (rows[static_cast<int64_t>(j) * kAgreementLen] != rows[0]) return j;
   return -1;
 }
 

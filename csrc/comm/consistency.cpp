@@ -2,20 +2,17 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <atomic>
 #include <sstream>
 
-#include "comm/group_ops.h"
+#include "comm/agreement.h"
 #include "common/env.h"
 
 namespace bytescale {
 namespace comm {
 
 namespace {
-
-// Groups up to this size exchange fingerprints all-to-all in one round trip; larger ones use the
-// ring all-gather (n-1 steps, but O(n) messages per rank instead of O(n^2) in all).
-constexpr int kOneShotCheckMax = 16;
 
 enum class OpCode : int64_t {
   kAllReduce = 1, kBroadcast, kAllGather, kReduceScatter, kAllToAll, kGather, kScatter, kReduce,
@@ -134,24 +131,21 @@ void verifyFingerprints(const at::Tensor& table, const RankMap& g, const std::st
 }
 
 void checkConsistent(Transport& tr, const RankMap& g, const Collective& c) {
-  if (!checksEnabled() || g.size() == 1 || tr.deviceType() != c10::DeviceType::CPU) return;
+  if (!checksEnabled() || g.size() == 1) return;
   at::Tensor fp = fingerprint(c);
-  at::Tensor table = at::empty({g.size(), kFingerprintLen}, fp.options());
+  const int64_t* p = fp.data_ptr<int64_t>();
+  const std::vector<int64_t> payload(p, p + kFingerprintLen);
   const std::string what = c.what + " (consistency check)";
-  if (g.size() <= kOneShotCheckMax) {
-    // One round trip: every member sends its fingerprint to every other member at once.
-    const int me = g.myIndex();
-    table[me].copy_(fp);
-    std::vector<P2POp> ops;
-    for (int j = 0; j < g.size(); ++j) {
-      if (j == me) continue;
-      ops.push_back({P2POp::kSend, g.globalRank(j), fp});
-      ops.push_back({P2POp::kRecv, g.globalRank(j), table[j]});
-    }
-    tr.exchange(ops, what)->wait();
-  } else {
-    group_ops::allGather(tr, g, table, fp, what);
-  }
+  // CPU: in the transport's order (the worker runs this inside the collective's body). Other
+  // devices: a host exchange at issue time (the body runs on the caller's thread), never through
+  // the device's communication stream.
+  auto rows = tr.deviceType() == c10::DeviceType::CPU
+                  ? agree(tr, g, AgreementKind::kCollective, payload, what)
+                  : agreeOnHost(g, AgreementKind::kCollective, payload, what);
+  at::Tensor table = at::empty({g.size(), kFingerprintLen}, fp.options());
+  for (int j = 0; j < g.size(); ++j)
+    std::copy(rows[j].begin(), rows[j].begin() + kFingerprintLen,
+              table.data_ptr<int64_t>() + static_cast<int64_t>(j) * kFingerprintLen);
   verifyFingerprints(table, g, c.what);
 }
 

@@ -1,8 +1,8 @@
 // Cross-rank consistency checks of collectives.
 //
 // Gloo aborts the whole process when a message is larger than the posted receive, and a P2P
-// algorithm whose members disagree on sizes deadlocks or corrupts, so before a CPU collective the
-// members compare a small fingerprint of the call (op, dtype, element count, shapes, root or
+// algorithm whose members disagree on sizes deadlocks or corrupts, so before a CPU collective (and
+// a collective of a CUDA dynamic group) the members compare a small fingerprint of the call (op, dtype, element count, shapes, root or
 // reduce op) and every member raises the same clear error on a mismatch. On by default;
 // BYTESCALE_CHECK_COLLECTIVES=0 (read once, common/env.h) or set_collective_checks(False) turns
 // it off. Every rank must use the same setting: the check is itself a collective.
@@ -27,8 +27,10 @@ at::Tensor fingerprint(const Collective& c);
 // table: (n, kFingerprintLen) int64 rows in group order. Throws naming the first mismatching rank
 // and both views (the same message on every member).
 void verifyFingerprints(const at::Tensor& table, const RankMap& g, const std::string& what);
-// Exchanges fingerprints over the transport's P2P channel and verifies them (CPU transports with
-// checks on and more than one member; a no-op otherwise).
+// Exchanges fingerprints through the agreement primitive (comm/agreement.h) and verifies them;
+// a no-op with checks off or one member. CPU transports: over `tr` (call it inside the
+// collective's Transport::run body: the worker's order); other devices (CUDA dynamic groups): a
+// host exchange over the world CPU transport at issue time (agreeOnHost).
 void checkConsistent(Transport& tr, const RankMap& g, const Collective& c);
 
 }  // namespace comm

@@ -24,6 +24,7 @@ struct DeviceBackendOptions {
   int rank = 0;                           // global rank
   int size = 1;                           // world size
   std::chrono::milliseconds timeout{0};   // the world group's timeout
+  std::shared_ptr<Transport> cpu;         // the group's CPU transport (staged transports use it)
 };
 
 struct DeviceBackend;
@@ -43,6 +44,9 @@ struct DeviceBackend {
   c10::intrusive_ptr<CollectiveBackend> backend;
   // The transport of the device (the world's: dynamic groups, ring attention).
   std::shared_ptr<Transport> transport;
+  // Whether the device's world communicator exists (NCCL: created by device_id= or the first
+  // world collective); null: nothing to create.
+  std::function<bool()> connected;
   // Splits this plug-in's communicator (null: the plug-in cannot split).
   DeviceBackendSplit split;
 };

@@ -29,10 +29,12 @@ c10::intrusive_ptr<c10d::Work> DynamicGroupBackend::execute(Collective c) {
   auto tr = requireTransport(c.device, c.what);
   auto inf = info(c);
   std::vector<at::Tensor> outputs = c.outputs;
+  std::vector<at::Tensor> inputs = c.inputs;  // kept alive until done (CUDA: on the comm stream)
   auto group = rankMapPtr();
   Transport* raw = tr.get();
   return raw->run(std::move(inf), std::move(outputs),
-                  [tr, group, c = std::move(c)] { group_ops::run(*tr, *group, c); });
+                  [tr, group, c = std::move(c)] { group_ops::run(*tr, *group, c); },
+                  std::move(inputs));
 }
 
 c10::intrusive_ptr<c10d::Work> DynamicGroupBackend::ringExchange(const at::Tensor& send,

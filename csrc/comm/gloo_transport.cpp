@@ -3,20 +3,25 @@
 #include <ATen/ThreadLocalState.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <sstream>
 #include <unordered_set>
 
+#include "comm/agreement.h"
 #include "comm/work.h"
+#include "common/env.h"
 
 namespace bytescale {
 namespace comm {
 
 namespace {
 
-// Tags of bytescale's internal messages live above user tags (which are small in practice).
+// Tags of bytescale's internal messages live above user tags (which are small in practice): bit
+// 30 set, the channel in bits 27-28, the per-pair sequence in bits 0-26.
 constexpr uint32_t kInternalTagBase = 0x40000000u;
-constexpr uint32_t kTagMask = 0x1FFFFFFFu;
+constexpr int kChannelShift = 27;
+constexpr uint32_t kTagMask = (1u << kChannelShift) - 1;
 
 // Gloo transfers that were aborted while a peer could still write into them: kept for the rest of
 // the process instead of freed (shutdown with transfers in flight only).
@@ -201,6 +206,44 @@ void ExchangeRegistry::abortAll() {
   for (auto* e : live) e->abort();
 }
 
+// An exchange queued on the worker (NCCL-order mode): its Work completes when the worker has
+// posted the ops and they finished. Dropped without wait(), it is waited for (as GlooExchange).
+class QueuedExchange final : public PendingExchange {
+ public:
+  explicit QueuedExchange(c10::intrusive_ptr<c10d::Work> work) : work_(std::move(work)) {}
+  ~QueuedExchange() override {
+    if (!waited_) {
+      try {
+        work_->wait();
+      } catch (...) {
+      }
+    }
+  }
+  void wait() override {
+    waited_ = true;
+    work_->wait();
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  bool waited_ = false;
+};
+
+namespace {
+
+WorkInfo exchangeInfo(const std::vector<P2POp>& ops, const std::string& what,
+                      std::chrono::milliseconds timeout) {
+  WorkInfo info;
+  info.what = what;
+  info.timeout = timeout;
+  for (const auto& op : ops)
+    if (std::find(info.peers.begin(), info.peers.end(), op.peer) == info.peers.end())
+      info.peers.push_back(op.peer);
+  return info;
+}
+
+}  // namespace
+
 // ---- GlooTransport --------------------------------------------------------------------------
 
 GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> gloo, int rank, int world_size,
@@ -209,10 +252,11 @@ GlooTransport::GlooTransport(c10::intrusive_ptr<c10d::Backend> gloo, int rank, i
       rank_(rank),
       world_size_(world_size),
       timeout_(timeout),
+      in_order_(env::knobs().nccl_order),
       live_(std::make_shared<ExchangeRegistry>()),
       status_(std::make_shared<WorkerStatus>()) {
   TORCH_CHECK(gloo_, "bytescale: GlooTransport needs a Gloo backend");
-  for (int c = 0; c < 2; ++c) {
+  for (int c = 0; c < 4; ++c) {
     send_seq_[c].assign(world_size, 0);
     recv_seq_[c].assign(world_size, 0);
   }
@@ -226,31 +270,49 @@ void GlooTransport::shutdown() {
   waiters_.close(false);  // the posted batches complete (aborted ones with an error)
 }
 
-int GlooTransport::nextTag(int peer, bool send) {
-  int channel = worker_.onQueueThread() ? 0 : 1;
+int GlooTransport::nextTag(int peer, bool send, bool agreement) {
+  const int channel = (agreement ? 2 : 0) + (worker_.onQueueThread() ? 0 : 1);
   std::lock_guard<std::mutex> g(tag_mu_);
   uint32_t& seq = send ? send_seq_[channel][peer] : recv_seq_[channel][peer];
-  uint32_t tag = kInternalTagBase | (static_cast<uint32_t>(channel) << 29) | (seq & kTagMask);
+  uint32_t tag =
+      kInternalTagBase | (static_cast<uint32_t>(channel) << kChannelShift) | (seq & kTagMask);
   ++seq;
   return static_cast<int>(tag);
 }
 
-std::unique_ptr<PendingExchange> GlooTransport::exchange(const std::vector<P2POp>& ops,
-                                                         const std::string& what) {
-  // Every op is checked before any is posted: a half-posted exchange cannot be taken back.
+namespace {
+
+// Every op is checked before any is posted: a half-posted exchange cannot be taken back.
+void checkOps(const std::vector<P2POp>& ops, int rank, int world_size, const std::string& what) {
   for (const auto& op : ops) {
-    TORCH_CHECK(op.peer >= 0 && op.peer < world_size_ && op.peer != rank_, "bytescale ", what,
-                ": peer rank ", op.peer, " is not another rank of the world of ", world_size_);
+    TORCH_CHECK(op.peer >= 0 && op.peer < world_size && op.peer != rank, "bytescale ", what,
+                ": peer rank ", op.peer, " is not another rank of the world of ", world_size);
     TORCH_CHECK(op.tensor.defined() && op.tensor.device().is_cpu() && op.tensor.is_contiguous(),
                 "bytescale ", what, ": the CPU transport needs defined, contiguous CPU tensors");
   }
+}
+
+}  // namespace
+
+std::unique_ptr<PendingExchange> GlooTransport::exchange(const std::vector<P2POp>& ops,
+                                                         const std::string& what) {
+  if (!in_order_ || worker_.onQueueThread()) return exchangeNow(ops, what);
+  // NCCL-order mode: behind everything this rank issued before, on the worker.
+  checkOps(ops, rank_, world_size_, what);
+  return std::make_unique<QueuedExchange>(
+      run(exchangeInfo(ops, what, timeout_), {}, [this, ops, what] { exchangeNow(ops, what)->wait(); }));
+}
+
+std::unique_ptr<PendingExchange> GlooTransport::exchangeNow(const std::vector<P2POp>& ops,
+                                                            const std::string& what) {
+  checkOps(ops, rank_, world_size_, what);
   auto state = std::make_shared<ExchangeState>();
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   for (const auto& op : ops) {
     if (op.tensor.numel() == 0) continue;  // nothing to move; both sides skip symmetrically
     std::vector<at::Tensor> ts{op.tensor};
     bool send = op.kind == P2POp::kSend;
-    int tag = op.tag >= 0 ? op.tag : nextTag(op.peer, send);
+    int tag = op.tag >= 0 ? op.tag : nextTag(op.peer, send, op.tag == kAgreementTag);
     works.push_back(send ? gloo_->send(ts, op.peer, tag) : gloo_->recv(ts, op.peer, tag));
     state->items.push_back(
         {op.kind, op.peer, static_cast<int64_t>(op.tensor.numel() * op.tensor.element_size())});
@@ -289,9 +351,14 @@ void GlooTransport::completeWhenDone(const c10::intrusive_ptr<Work>& work,
 c10::intrusive_ptr<c10d::Work> GlooTransport::post(const std::vector<P2POp>& ops, WorkInfo info) {
   std::vector<at::Tensor> tensors;
   for (const auto& op : ops) tensors.push_back(op.tensor);
+  if (in_order_ && !worker_.onQueueThread()) {  // NCCL-order mode: queued (see exchange())
+    checkOps(ops, rank_, world_size_, info.what);
+    const std::string w = info.what;
+    return run(std::move(info), std::move(tensors), [this, ops, w] { exchangeNow(ops, w)->wait(); });
+  }
   const std::string what = info.what;
   auto work = c10::make_intrusive<Work>(rank_, std::move(info), std::move(tensors));
-  std::shared_ptr<PendingExchange> ex = exchange(ops, what);
+  std::shared_ptr<PendingExchange> ex = exchangeNow(ops, what);
   auto state = static_cast<GlooExchange*>(ex.get())->state();
   if (state->items.empty()) {
     work->complete();
@@ -323,7 +390,8 @@ c10::intrusive_ptr<c10d::Work> GlooTransport::postRecvAnysource(const at::Tensor
 }
 
 c10::intrusive_ptr<c10d::Work> GlooTransport::run(WorkInfo info, std::vector<at::Tensor> outputs,
-                                                  std::function<void()> body) {
+                                                  std::function<void()> body,
+                                                  std::vector<at::Tensor>) {  // body holds inputs
   const std::string what = info.what;
   auto work = c10::make_intrusive<Work>(rank_, std::move(info), std::move(outputs));
   const void* id = work.get();

@@ -3,6 +3,17 @@
 // c10d::Backend), one worker thread that runs collectives asynchronously (run()), and a few
 // waiter threads that complete the Works of posted point-to-point batches (post()), so their
 // is_completed() turns true without anyone calling wait().
+//
+// NCCL-order mode (BYTESCALE_NCCL_ORDER=1, common/env.h; for tests): CUDA's execution model. NCCL
+// runs every operation of a communicator in issue order on one CUDA stream, each one blocking the
+// stream until every rank it involves has joined. In this mode the worker thread is that stream:
+// exchange() and post() from any other thread are queued behind the collectives (world and
+// dynamic-group) and exchanges issued before them and run there one at a time, and the world
+// backend queues Gloo's native collectives too. A rank whose operations form a cycle with a
+// peer's on one NCCL stream then deadlocks here as well, and the waits raise the transport's
+// timeout error naming the operation the queue is stuck behind. Cross-rank agreements
+// (comm/agreement.h: agreeOnHost) use exchangeNow() in both modes: on CUDA they are host
+// exchanges outside the NCCL stream too.
 #pragma once
 
 #include <memory>
@@ -35,9 +46,15 @@ class GlooTransport final : public Transport {
 
   std::unique_ptr<PendingExchange> exchange(const std::vector<P2POp>& ops,
                                             const std::string& what) override;
+  // Posts the ops to Gloo now, whatever the mode (exchange() outside NCCL-order mode).
+  std::unique_ptr<PendingExchange> exchangeNow(const std::vector<P2POp>& ops,
+                                               const std::string& what);
+  // True in NCCL-order mode (BYTESCALE_NCCL_ORDER=1, read once per process).
+  bool inOrder() const { return in_order_; }
   c10::intrusive_ptr<c10d::Work> post(const std::vector<P2POp>& ops, WorkInfo info) override;
   c10::intrusive_ptr<c10d::Work> run(WorkInfo info, std::vector<at::Tensor> outputs,
-                                     std::function<void()> body) override;
+                                     std::function<void()> body,
+                                     std::vector<at::Tensor> inputs = {}) override;
 
   // A receive from any rank with the user tag `tag` (Gloo's recvAnysource); the returned
   // AnySourceWork completes (is_completed() turns true by itself) and names the sender.
@@ -55,10 +72,10 @@ class GlooTransport final : public Transport {
 
  private:
   // Gloo matches a receive by (source, tag). Each ordered pair of ranks keeps a message counter per
-  // direction and per channel (0: the worker thread's collectives, 1: direct exchanges from caller
-  // threads), and the counter is the tag: messages pair up by issue order, and the two channels
-  // never steal each other's messages.
-  int nextTag(int peer, bool send);
+  // direction and per channel (0: the worker thread's operations, 1: direct exchanges from caller
+  // threads, 2 and 3: the same for agreements, comm/agreement.h), and the counter is the tag:
+  // messages pair up by issue order, and channels never steal each other's messages.
+  int nextTag(int peer, bool send, bool agreement);
 
   // Completes `work` when `ex`'s transfers finish (on a waiter thread), after `on_done` has run;
   // raises DistBackendError naming `what` when the transport has been shut down.
@@ -71,9 +88,10 @@ class GlooTransport final : public Transport {
   std::chrono::milliseconds timeout_;
 
   std::mutex tag_mu_;
-  std::vector<uint32_t> send_seq_[2];
-  std::vector<uint32_t> recv_seq_[2];
+  std::vector<uint32_t> send_seq_[4];
+  std::vector<uint32_t> recv_seq_[4];
 
+  bool in_order_;
   std::shared_ptr<ExchangeRegistry> live_;
   std::shared_ptr<WorkerStatus> status_;
   TaskQueue worker_{1};    // collectives, in submission order

@@ -82,16 +82,20 @@ class Transport {
   virtual c10::intrusive_ptr<c10d::Work> post(const std::vector<P2POp>& ops, WorkInfo info) = 0;
 
   // Run `body` as one asynchronous operation (a collective of a dynamic group, say) and return its
-  // Work. `outputs` are kept alive until completion and are the Work's result / future value.
+  // Work. `outputs` are kept alive until completion and are the Work's result / future value;
+  // `inputs` (tensors body reads that are not outputs) are kept alive until completion too (on
+  // CUDA the communication stream may read them after the caller dropped its references).
   //   CPU:  body runs on the transport's worker thread (one thread: operations start in the order
   //         they are submitted); exceptions thrown by body fail the Work and surface in wait().
+  //         In NCCL-order mode (gloo_transport.h) exchanges and posted batches queue there too.
   //   CUDA: the communication stream first waits on the caller's current stream, then body runs
   //         inline on the calling thread with the communication stream current (it only enqueues);
   //         Work::wait() makes the caller's current stream wait on the end event.
   // Inside body, exchange(...)->wait() and ATen ops are ordered correctly on both transports, and
   // run in the caller's thread-local state (at::ThreadLocalState; CPU: restored on the worker).
   virtual c10::intrusive_ptr<c10d::Work> run(WorkInfo info, std::vector<at::Tensor> outputs,
-                                             std::function<void()> body) = 0;
+                                             std::function<void()> body,
+                                             std::vector<at::Tensor> inputs = {}) = 0;
 
   // Convenience: one batched step of a ring. Sends `send` to `next`, receives into `recv` from
   // `prev` (either side may be undefined to skip it). next == prev is fine (2-member rings).

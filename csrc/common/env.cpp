@@ -17,6 +17,20 @@ Knobs readKnobs() {
   if (const char* v = std::getenv("BYTESCALE_CHECK_COLLECTIVES"))
     k.check_collectives = std::string(v) != "0";
   if (const char* v = std::getenv("BYTESCALE_CHECK_RING")) k.check_ring = std::string(v) != "0";
+  if (const char* v = std::getenv("BYTESCALE_NCCL_ORDER")) {
+    const std::string s(v);
+    if (s != "" && s != "0" && s != "1")
+      throw std::invalid_argument("BYTESCALE_NCCL_ORDER='" + s + "': expected 0 or 1");
+    k.nccl_order = s == "1";
+  }
+  if (const char* v = std::getenv("BYTESCALE_CUDA_TRANSPORT")) {
+    const std::string s(v);
+    if (!s.empty()) {
+      if (s != "nccl" && s != "staged")
+        throw std::invalid_argument("BYTESCALE_CUDA_TRANSPORT='" + s + "': expected nccl or staged");
+      k.cuda_transport = s;
+    }
+  }
   if (const char* v = std::getenv("BYTESCALE_ATTENTION_KERNEL")) {
     std::string s(v);
     if (s.empty()) s = "auto";

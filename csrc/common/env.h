@@ -8,6 +8,17 @@
 //                                every rank.
 //   BYTESCALE_ATTENTION_KERNEL   "auto" (default), "flash", "cudnn" or "tiled": the per-ring-step
 //                                attention kernel on CUDA (csrc/attention/kernel.h chooses).
+//   BYTESCALE_NCCL_ORDER         "1": CUDA's execution model on CPU, for tests (default off). The
+//                                CPU transport runs every operation of a rank (world and
+//                                dynamic-group collectives, point-to-point exchanges) on ONE
+//                                in-order queue in issue order, as NCCL runs them on one stream
+//                                (comm/gloo_transport.h), and bytescale.testing runs every
+//                                backward on a separate thread, as CUDA autograd does.
+//   BYTESCALE_CUDA_TRANSPORT     "nccl" (default) or "staged": the transport of CUDA tensors.
+//                                "staged" (a development and test tool, comm/staged_transport.h)
+//                                copies every message through pinned host memory over the CPU
+//                                (Gloo) transport, so several processes can share ONE GPU (NCCL
+//                                refuses two ranks on one GPU). Same value on every rank.
 #pragma once
 
 #include <string>
@@ -19,6 +30,8 @@ struct Knobs {
   bool check_collectives = true;
   bool check_ring = true;
   std::string attention_kernel = "auto";
+  bool nccl_order = false;
+  std::string cuda_transport = "nccl";
 };
 
 // The knobs as read from the environment at first call (thread-safe, never re-read).

@@ -153,3 +153,34 @@ def test_off_switch_restores_the_unchecked_behaviour(how, monkeypatch):
     for off, err in run_distributed(_switched_off, 3, how, timeout=120):
         # unchecked, the disagreement goes unnoticed (the silent wrong result the check prevents)
         assert off and err is None
+
+
+def _agreements_per_micro_batch(rank, world):
+    from bytescale import _C
+    from bytescale.attention import Layout, micro_batch_context
+
+    lens, ring = [40, 17], list(range(world))
+    n, pos = len(ring), ring.index(rank)
+    q, k, v = (shard(x, lens, n, pos).requires_grad_() for x in _full(lens))
+    count = _C.attention.ring_agreement_exchanges
+    c0 = count()
+    for _ in range(3):  # outside a micro-batch: every call is checked
+        ring_attention(q, k, v, lens, ring)
+    outside = count() - c0
+    c1 = count()
+    with micro_batch_context(Layout(sharded_lens=tuple(lens), ring=tuple(ring), ring_pos=pos)):
+        outs = [ring_attention(q, k, v, lens, ring) for _ in range(3)]  # "three layers"
+        ring_attention(q, k, v, lens, ring, softmax_scale=0.5)  # another signature: checked once
+        torch.stack(outs).sum().backward()  # the backward exchanges K/V, never a digest
+    inside = count() - c1
+    with micro_batch_context(None):  # the next micro-batch: checked again
+        ring_attention(q, k, v, lens, ring)
+    return outside, inside, count() - c1 - inside
+
+
+def test_agreement_runs_once_per_micro_batch_and_signature():
+    """Issue 21, finding 7: the check is a blocking host round trip on CUDA; inside a micro-batch
+    (micro_batch_context, which HybridDataParallel enters) later layers and the recompute of
+    the same ring call skip it."""
+    for outside, inside, next_mb in run_distributed(_agreements_per_micro_batch, 3, timeout=120):
+        assert (outside, inside, next_mb) == (3, 2, 1)

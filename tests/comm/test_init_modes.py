@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -56,3 +57,30 @@ def test_store_init():
 
 # device_id= must name an accelerator (torch rejects cpu), so the eager-connect path
 # (BytescaleBackend::eagerConnectSingleDevice -> NCCL) is covered by tests/test_cuda_backend.py on a GPU.
+
+
+def _init_with_cuda_device_id(rank, world, store_dir):
+    import datetime
+    import os
+
+    from dist_utils import capture_error
+
+    import bytescale  # noqa: F401
+
+    store = dist.FileStore(os.path.join(store_dir, "store"), world)
+    kind, msg, _ = capture_error(lambda: dist.init_process_group(
+        "bytescale", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30),
+        device_id=torch.device("cuda", 0)))
+    return kind, msg
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour (on a GPU: tests/cuda)")
+def test_device_id_without_a_gpu_fails_at_init(tmp_path):
+    """device_id=cuda on a machine without a GPU fails right at init with an error naming the
+    device (torch 2.14 checks the index before any backend is created; bytescale's own eager
+    connect, issue 21 finding 2, would raise naming CUDA), never later at the first ring or
+    dynamic-group op. That the communicator IS created at init is shown on a GPU only:
+    tests/cuda/test_cuda_backend.py::test_device_id_creates_the_communicator."""
+    for kind, msg in run_distributed(_init_with_cuda_device_id, 2, str(tmp_path), init=False, timeout=120):
+        assert kind is not None, "device_id=cuda was accepted without a GPU"
+        assert "GPU" in msg or "CUDA" in msg or "cuda:0" in msg, msg

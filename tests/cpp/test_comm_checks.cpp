@@ -203,3 +203,31 @@ TEST(TaskQueue, OnQueueThread) {
   q.close(false);
   EXPECT_EQ(on.load(), 1);
 }
+
+TEST(Agreement, RowsCarryTheirKind) {
+  auto row = agreementRow(AgreementKind::kRingAttention, {5, 6, 7}, "op");
+  ASSERT_EQ(row.size(), static_cast<size_t>(kAgreementLen));
+  EXPECT_EQ(row[0], agreementHeader(AgreementKind::kRingAttention));
+  EXPECT_EQ(row[1], 5);
+  EXPECT_EQ(row[3], 7);
+  EXPECT_EQ(row[4], 0);
+  EXPECT_EQ(agreementKindName(row[0]), "ring attention's agreement check");
+  EXPECT_EQ(agreementKindName(agreementHeader(AgreementKind::kPlan)), "the loader's plan check");
+  EXPECT_NE(agreementKindName(12345).find("not an agreement"), std::string::npos);
+  EXPECT_THROW(agreementRow(AgreementKind::kUser, std::vector<int64_t>(kAgreementPayload + 1),
+                            "op"),
+               std::invalid_argument);
+}
+
+TEST(Agreement, FirstKindMismatch) {
+  std::vector<int64_t> rows;
+  for (auto k : {AgreementKind::kCollective, AgreementKind::kCollective, AgreementKind::kPlan}) {
+    auto r = agreementRow(k, {1, 2}, "op");
+    rows.insert(rows.end(), r.begin(), r.end());
+  }
+  EXPECT_EQ(firstKindMismatch(rows.data(), 2), -1);
+  EXPECT_EQ(firstKindMismatch(rows.data(), 3), 2);
+  rows[kAgreementLen + 2] = 9;  // a payload difference is not a kind mismatch
+  EXPECT_EQ(firstKindMismatch(rows.data(), 2), -1);
+  EXPECT_EQ(firstMismatchingRow(rows.data(), 2, kAgreementLen), 1);
+}

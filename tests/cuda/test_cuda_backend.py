@@ -73,3 +73,60 @@ def test_dynamic_group_and_attention_on_cuda(pg):
     ref = reference_varlen_attention(q, k, v, lens)
     torch.testing.assert_close(varlen_attention(q, k, v, lens), ref)
     torch.testing.assert_close(ring_attention(q, k, v, lens, [0]), ref)
+
+
+def test_device_id_creates_the_communicator(pg):
+    """Issue 21 finding 2: init_process_group(device_id=...) must create the world NCCL
+    communicator at init (torch connects eagerly only backends that split), so a ring, a
+    dynamic-group op or a send/recv can come before any world collective."""
+    import bytescale
+
+    assert bytescale.world_backend().device_connected("cuda")
+
+
+def test_collective_after_the_eager_connect(pg):
+    # the eager connect must not disturb a following world collective
+    x = torch.ones(3, device="cuda")
+    dist.all_reduce(x)
+    assert torch.equal(x, torch.ones(3, device="cuda"))
+
+
+def _two_nccl_ranks_on_one_gpu(rank, world, store_dir):
+    import datetime
+    import os
+
+    from dist_utils import capture_error
+
+    import bytescale  # noqa: F401
+
+    store = dist.FileStore(os.path.join(store_dir, "store"), world)
+    kind, msg, secs = capture_error(lambda: dist.init_process_group(
+        "bytescale", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60),
+        device_id=torch.device("cuda", 0)))
+    return kind, msg, secs
+
+
+def test_second_nccl_rank_on_the_same_gpu_fails_fast(tmp_path):
+    """NCCL refuses two ranks on one GPU; the error must come fast and say so (the staged
+    transport, BYTESCALE_CUDA_TRANSPORT=staged, is the way to run several processes on one GPU)."""
+    from dist_utils import run_distributed
+
+    res = run_distributed(_two_nccl_ranks_on_one_gpu, 2, str(tmp_path), init=False, timeout=120)
+    kinds = [r[0] for r in res]
+    assert any(k is not None for k in kinds), res
+    for kind, msg, secs in res:
+        if kind is not None:
+            assert "one GPU" in msg or "Duplicate GPU" in msg, msg
+            assert secs < 60, secs
+
+
+def test_unsupported_dtype_fails_before_any_nccl_call(pg):
+    """Issue 21 finding 7: every dtype is checked before an NCCL group opens (an error inside an
+    open group would launch the half-queued batch and leave the peers mismatched); the
+    communicator stays usable."""
+    bad = torch.zeros(4, device="cuda", dtype=torch.uint16)
+    with pytest.raises(RuntimeError, match="not supported by NCCL"):
+        dist.all_reduce(bad)
+    ok = torch.ones(4, device="cuda")
+    dist.all_reduce(ok)
+    assert torch.equal(ok, torch.ones(4, device="cuda"))

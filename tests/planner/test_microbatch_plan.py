@@ -72,3 +72,51 @@ def test_python_zigzag_matches_the_cpp_planner():
         for k in range(len(raw.seg_seq)):
             s, n, pos = int(lengths[raw.seg_seq[k]]), int(raw.seg_ring_size[k]), int(raw.seg_ring_pos[k])
             assert raw.seg_tokens[k] == zigzag.local_tokens(s, n, pos)
+
+
+@pytest.mark.parametrize("strategy", ["naive", "balanced", "pow2", "static"])
+@pytest.mark.parametrize("world", [2, 3, 5, 8])
+def test_ring_is_last_on_all_matches_every_members_last_micro_batch(strategy, world):
+    """What HybridDataParallel reads to decide whether gradient sync may overlap the last backward
+    (issue 21, finding 1): a ring micro-batch whose every member runs it last. Checked against
+    the members' micro-batch lists, over random batches; the naive strategy produces rings that
+    are last on one member but not on another (the deadlock shape on one NCCL stream). The static
+    DP x CP baseline's CP groups run the same micro-batches: its last ring ends every member."""
+    rng = np.random.default_rng(world)
+    seen = {True: 0, False: 0}
+    for _ in range(40):
+        # static: a CP degree dividing the world (2, else the world), sequences it can hold
+        cp = (2 if world % 2 == 0 else world) if strategy == "static" else None
+        hi = 100 * cp if cp else 400
+        lengths = rng.integers(1, hi, size=int(rng.integers(3, 20))).tolist()
+        try:
+            kw = {"static_cp": cp} if cp else {}
+            p = plan(lengths, world_size=world, capacity=100, strategy=strategy, **kw)
+        except ValueError:
+            continue
+        mbs = [p.micro_batches(r) for r in range(world)]
+        for r in range(world):
+            for m in mbs[r]:
+                want = m.is_ring and all(mbs[x] and mbs[x][-1].ring_id == m.ring_id for x in m.ring)
+                assert m.ring_is_last_on_all == want, (lengths, r, m)
+                if m.is_ring and m.index == len(mbs[r]) - 1:
+                    seen[want] += 1
+        for r in range(world):  # lockstep slots: members meet in one slot, the last ends them all
+            for m in p.lockstep_micro_batches(r):
+                if m.is_ring:
+                    assert m.ring_is_last_on_all == (m.index == p.lockstep().shape[1] - 1)
+    if strategy == "static":
+        assert seen[True] > 0 and seen[False] == 0, seen
+    elif world >= 3:  # (at 2 ranks these batches never end a rank on a ring)
+        assert seen[True] > 0
+        if strategy != "balanced":
+            assert seen[False] > 0, "no plan with a ring that is last on one member only"
+
+
+def test_ring_is_last_on_all_survives_bytes_and_is_type_checked():
+    m = MicroBatchPlan(rank=1, index=0, sharded=(DocRef(0, 5, 40),), ring=(0, 1), ring_pos=1, ring_id=0,
+                       ring_is_last_on_all=True)
+    assert MicroBatchPlan.from_bytes(m.to_bytes()) == m
+    bad = m.to_bytes().replace(b'"ring_is_last_on_all":true', b'"ring_is_last_on_all":1')
+    with pytest.raises(ValueError, match="ring_is_last_on_all"):
+        MicroBatchPlan.from_bytes(bad)

@@ -5,6 +5,8 @@ HF's eager attention runs its softmax in float32 even for a float64 model, so ag
 ~1e-6 (relative), not float64 precision."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -59,3 +61,50 @@ def test_batched_input_is_rejected_clearly():
     a, _ = _models()
     with pytest.raises(ValueError, match="batch size 1"):
         a(input_ids=torch.randint(0, 101, (2, 5)))
+
+
+def _checkpointed_grads(on_device_thread: bool):
+    """A tiny HF Llama with non-reentrant activation checkpointing on one packed micro-batch of
+    three documents (layout from micro_batch_context, as HybridDataParallel sets it), backward
+    either on this thread or on a separate one (CUDA autograd's device thread, where the
+    checkpoint's recompute runs)."""
+    from bytescale.testing import backward_on_device_thread
+
+    a, _ = _models()
+    if hasattr(a, "activation_checkpointing_enable"):  # transformers >= 5.x
+        a.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        a.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    a.train()
+    lens = [19, 7, 26]
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 101, (sum(lens),), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lens])
+    block = backward_on_device_thread() if on_device_thread else contextlib.nullcontext()
+    with micro_batch_context(Layout.local(lens)):
+        logits = a(input_ids=ids[None], position_ids=pos[None]).logits[0]
+        with block:
+            logits.square().mean().backward()
+    return {n: p.grad.clone() for n, p in a.named_parameters()}, ids, lens
+
+
+def _per_document_grads(ids, lens):
+    """The reference: the same model without checkpointing, each document on its own (sum of
+    per-document contributions to the same mean)."""
+    a, _ = _models()
+    total = sum(lens) * a.config.vocab_size
+    for d in ids.split(lens):
+        logits = a(input_ids=d[None]).logits[0]
+        (logits.square().sum() / total).backward()
+    return {n: p.grad.clone() for n, p in a.named_parameters()}
+
+
+@pytest.mark.parametrize("on_device_thread", [False, True], ids=["same-thread", "device-thread"])
+def test_checkpoint_recompute_sees_the_micro_batch_layout(on_device_thread):
+    """Issue 21 finding 4: the recompute of activation checkpointing runs on autograd's device
+    thread on CUDA; the micro-batch layout must reach it there too, or the packed micro-batch is
+    attended as ONE document and the gradients are silently wrong."""
+    got, ids, lens = _checkpointed_grads(on_device_thread)
+    want = _per_document_grads(ids, lens)
+    for n, w in want.items():
+        torch.testing.assert_close(got[n], w, rtol=1e-5, atol=1e-8, msg=lambda m: f"{n}: {m}")

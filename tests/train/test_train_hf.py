@@ -94,12 +94,19 @@ def _reference(family, world):
     return grads
 
 
-def _hdp(rank, world, families):
+def _hdp(rank, world, families, checkpointing=False):
     from bytescale import HybridDataParallel
 
     out = {}
     for family in families:
-        model = HybridDataParallel(_model(family), config=RuntimeConfig(bucket_cap_mb=0.01))
+        net = _model(family)
+        if checkpointing:
+            if hasattr(net, "activation_checkpointing_enable"):  # transformers >= 5.x
+                net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            net.train()
+        model = HybridDataParallel(net, config=RuntimeConfig(bucket_cap_mb=0.01))
         opt = torch.optim.SGD(model.parameters(), lr=0.3)
         steps = []
         for step in _loader(world, rank):
@@ -129,6 +136,20 @@ def test_hf_models_under_hdp_match_single_process_with_rings_of_2_3_4():
                     torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7, msg=lambda m: f"{family} step {s}: {m}")
     rings = {n for r in per_rank for st in r["llama"] for n in st[1]}
     assert {2, 3, 4} <= rings, rings
+
+
+def test_hf_with_activation_checkpointing_in_cuda_order(monkeypatch):
+    """Issue 21 finding 4 under HDP: CUDA's execution model on CPU (BYTESCALE_NCCL_ORDER=1:
+    backward, and so the checkpoint's recompute, on a separate thread; one in-order queue of
+    communication per rank). The layout must reach the recompute, rings included."""
+    monkeypatch.setenv("BYTESCALE_NCCL_ORDER", "1")
+    world = 4  # the longest document needs 4 ranks at CAPACITY
+    per_rank = run_distributed(_hdp, world, ("llama",), True, timeout=400, pg_timeout=60)
+    for s, want in enumerate(_reference("llama", world)):
+        for r in per_rank:
+            for g, w in zip(r["llama"][s][0], want):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7, msg=lambda m: f"step {s}: {m}")
+    assert any(st[1] for r in per_rank for st in r["llama"]), "no ring in the plans"
 
 
 def _hdp_tp(rank, world, families):

@@ -15,6 +15,7 @@
 #include <c10/util/Exception.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <memory>
 #include <vector>
 
@@ -160,6 +161,14 @@ class CudnnKernel final : public attention::BlockKernel {
 };
 
 const bool registered = [] {
+  // ATen builds (and caches) one cuDNN graph per exact shape, and a packed varlen step has new
+  // segment lengths nearly every micro-batch: each would pay a graph build. ATen's
+  // TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (experimental in torch 2.14) runs the dense op through
+  // cuDNN's ragged path with sequence lengths rounded up to a power of two in the graph key, so
+  // lengths within a power of two share one graph (inputs must be BSHD in memory: the row slices
+  // of packed (T, H, D) tensors viewed (1, H, S, D), as here). Turned on unless the user set it
+  // (=0 keeps one graph per shape). ATen reads it once, at its first cuDNN attention call.
+  setenv("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1", /*overwrite=*/0);
   attention::registerKernel(c10::DeviceType::CUDA, std::make_shared<CudnnKernel>());
   return true;
 }();

@@ -4,6 +4,8 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "comm/device_backends.h"
+#include "comm/staged_transport.h"
+#include "common/env.h"
 
 namespace bytescale {
 namespace cuda {
@@ -24,12 +26,19 @@ comm::DeviceBackend asPlugin(const c10::intrusive_ptr<NcclBackend>& backend) {
   plugin.split = [raw](const comm::DeviceBackendOptions& g, int color, int key) {
     return raw->split(g, color, key);
   };
+  std::weak_ptr<NcclTransport> weak = backend->transport();
+  plugin.connected = [weak] {
+    auto t = weak.lock();
+    return t && t->comm().connected();
+  };
   return plugin;
 }
 
 // The plug-in registers itself when the extension is loaded.
 const bool kRegistered = [] {
   comm::registerDeviceBackend(c10::DeviceType::CUDA, [](const comm::DeviceBackendOptions& o) {
+    // BYTESCALE_CUDA_TRANSPORT=staged: several processes on one GPU (comm/staged_transport.h).
+    if (env::knobs().cuda_transport == "staged") return comm::makeStagedBackend(c10::DeviceType::CUDA, o);
     return asPlugin(c10::make_intrusive<NcclBackend>(o.store, o.rank, o.size, o.timeout));
   });
   return true;

@@ -100,6 +100,12 @@ void allToAll(const Collective& c, int n, ncclComm_t comm, cudaStream_t s) {
 }  // namespace
 
 void enqueueCollective(const Collective& c, int rank, int n, ncclComm_t comm, cudaStream_t s) {
+  // Every dtype and reduce op is checked before any NCCL group opens: an error inside an open
+  // group would launch the part queued so far and leave the peers mismatched.
+  checkNcclDtypes(c.inputs, c.what);
+  checkNcclDtypes(c.outputs, c.what);
+  if (c.hasReduceOp())
+    for (const auto& t : (c.inputs.empty() ? c.outputs : c.inputs)) checkNcclReduceOp(c.op, t, c.what);
   switch (c.kind) {
     case CollectiveKind::kAllReduce:
     case CollectiveKind::kBarrier:

@@ -3,22 +3,23 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
+
 namespace bytescale {
 namespace cuda {
 
 namespace {
 
+// A launched exchange: an NcclWork the watchdog tracks like any collective (a lost peer makes it
+// time out and abort the communicator instead of hanging ring attention forever). wait() is the
+// Work's GPU-side wait (the caller's current stream waits on its end event).
 class NcclExchange final : public comm::PendingExchange {
  public:
-  NcclExchange(c10::Device d, std::shared_ptr<CudaEvent> ev) : device_(d), ev_(std::move(ev)) {}
-  void wait() override {
-    c10::cuda::CUDAGuard g(device_);
-    ev_->block(c10::cuda::getCurrentCUDAStream(device_.index()));
-  }
+  explicit NcclExchange(c10::intrusive_ptr<NcclWork> work) : work_(std::move(work)) {}
+  void wait() override { work_->wait(); }
 
  private:
-  c10::Device device_;
-  std::shared_ptr<CudaEvent> ev_;
+  c10::intrusive_ptr<NcclWork> work_;
 };
 
 // The comm stream waits for the work already queued on the caller's current stream.
@@ -30,6 +31,7 @@ void followCaller(c10::Device dev, const c10::cuda::CUDAStream& comm_stream) {
 
 void enqueueP2P(const std::vector<comm::P2POp>& ops, ncclComm_t comm, cudaStream_t s,
                 const std::string& what) {
+  for (const auto& op : ops) (void)ncclType(op.tensor.scalar_type(), what);  // before the group
   NcclGroup group(what);
   for (const auto& op : ops) {
     if (op.kind == comm::P2POp::kSend)
@@ -44,6 +46,13 @@ void checkPeers(const std::vector<comm::P2POp>& ops, int rank, int size, const s
   for (const auto& op : ops)
     TORCH_CHECK(op.peer >= 0 && op.peer < size && op.peer != rank, "bytescale ", what,
                 ": peer rank ", op.peer, " is not another rank of the world of ", size);
+}
+
+std::vector<int> peersOf(const std::vector<comm::P2POp>& ops) {
+  std::vector<int> peers;
+  for (const auto& op : ops)
+    if (std::find(peers.begin(), peers.end(), op.peer) == peers.end()) peers.push_back(op.peer);
+  return peers;
 }
 
 }  // namespace
@@ -86,7 +95,17 @@ c10::intrusive_ptr<NcclWork> NcclTransport::launch(comm::WorkInfo info,
                                             comm_, options.cpu_sync);
   {
     c10::cuda::CUDAStreamGuard sg(stream);
-    enqueue(comm, stream.stream());
+    const int64_t calls = ncclCallsOnThisThread();
+    try {
+      enqueue(comm, stream.stream());
+    } catch (const std::exception& e) {
+      // Some of the operation may already be queued on this rank and its peers' halves may be
+      // running: the communicator cannot be trusted any more, every rank must fail fast.
+      if (ncclCallsOnThisThread() != calls)
+        comm_->abort(std::string("an NCCL call failed while launching ") + work->info().what +
+                     ": " + e.what());
+      throw;
+    }
     for (const auto& t : keep)
       c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
     work->recordEnd(stream);
@@ -97,21 +116,18 @@ c10::intrusive_ptr<NcclWork> NcclTransport::launch(comm::WorkInfo info,
 
 std::unique_ptr<comm::PendingExchange> NcclTransport::exchange(const std::vector<comm::P2POp>& ops,
                                                                const std::string& what) {
-  ncclComm_t comm = comm_->require(what);
+  comm_->require(what);
   checkPeers(ops, rank_, size_, what);
-  const c10::Device dev = comm_->device();
   std::vector<at::Tensor> ts;
   for (const auto& op : ops) ts.push_back(op.tensor);
-  checkNcclTensors(ts, dev, what);
-  c10::cuda::CUDAGuard guard(dev);
-  auto stream = comm_->stream();
-  followCaller(dev, stream);
-  enqueueP2P(ops, comm, stream.stream(), what);
-  for (const auto& t : ts)
-    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
-  auto end = std::make_shared<CudaEvent>();
-  end->record(stream);
-  return std::make_unique<NcclExchange>(dev, std::move(end));
+  checkNcclTensors(ts, comm_->device(), what);
+  comm::WorkInfo info;
+  info.what = what;
+  info.peers = peersOf(ops);
+  info.timeout = timeout_;
+  return std::make_unique<NcclExchange>(launch(
+      std::move(info), ts, {}, [&](ncclComm_t c, cudaStream_t s) { enqueueP2P(ops, c, s, what); },
+      {}));
 }
 
 c10::intrusive_ptr<c10d::Work> NcclTransport::post(const std::vector<comm::P2POp>& ops,
@@ -128,12 +144,13 @@ c10::intrusive_ptr<c10d::Work> NcclTransport::post(const std::vector<comm::P2POp
 
 c10::intrusive_ptr<c10d::Work> NcclTransport::run(comm::WorkInfo info,
                                                   std::vector<at::Tensor> outputs,
-                                                  std::function<void()> body) {
+                                                  std::function<void()> body,
+                                                  std::vector<at::Tensor> inputs) {
   // A world of one has no peer to deadlock with: create the communicator on first use. With
   // more ranks it must come from a world collective (or device_id=), run by every rank.
   if (size_ == 1 && !outputs.empty() && outputs[0].is_cuda())
     comm_->connect(outputs[0].device().index());
-  return launch(std::move(info), {}, std::move(outputs),
+  return launch(std::move(info), inputs, std::move(outputs),
                 [&](ncclComm_t, cudaStream_t) { body(); }, {});
 }
 

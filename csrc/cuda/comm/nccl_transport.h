@@ -34,7 +34,8 @@ class NcclTransport final : public comm::Transport {
   c10::intrusive_ptr<c10d::Work> post(const std::vector<comm::P2POp>& ops,
                                       comm::WorkInfo info) override;
   c10::intrusive_ptr<c10d::Work> run(comm::WorkInfo info, std::vector<at::Tensor> outputs,
-                                     std::function<void()> body) override;
+                                     std::function<void()> body,
+                                     std::vector<at::Tensor> inputs = {}) override;
 
   using Enqueue = std::function<void(ncclComm_t, cudaStream_t)>;
   struct LaunchOptions {

@@ -3,7 +3,9 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <condition_variable>
 #include <cstring>
+#include <thread>
 
 namespace bytescale {
 namespace cuda {
@@ -21,6 +23,39 @@ ncclDataType_t ncclType(at::ScalarType t, const std::string& what) {
     case at::kLong: return ncclInt64;
     default:
       TORCH_CHECK(false, "bytescale ", what, ": dtype ", t, " is not supported by NCCL");
+  }
+}
+
+namespace {
+thread_local int64_t t_nccl_calls = 0;
+}  // namespace
+
+int64_t ncclCallsOnThisThread() { return t_nccl_calls; }
+
+void checkNcclDtypes(const std::vector<at::Tensor>& ts, const std::string& what) {
+  for (const auto& t : ts)
+    if (t.defined()) (void)ncclType(t.scalar_type(), what);
+}
+
+void checkNcclReduceOp(const c10d::ReduceOp& op, const at::Tensor& t, const std::string& what) {
+  (void)ncclType(t.scalar_type(), what);
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+    case c10d::ReduceOp::PRODUCT:
+    case c10d::ReduceOp::MIN:
+    case c10d::ReduceOp::MAX:
+    case c10d::ReduceOp::AVG:
+      return;
+    case c10d::ReduceOp::PREMUL_SUM: {
+      auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+      TORCH_CHECK(sup, "bytescale ", what, ": PREMUL_SUM without a factor");
+      TORCH_CHECK(!sup->tensor_factor.defined() || sup->tensor_factor.numel() == 1, "bytescale ",
+                  what, ": PREMUL_SUM factor must be a scalar");
+      return;
+    }
+    default:
+      TORCH_CHECK(false, "bytescale ", what, ": reduce op ", static_cast<int>(op.op_),
+                  " (bitwise) is not supported by NCCL");
   }
 }
 
@@ -64,6 +99,7 @@ NcclRedOp::~NcclRedOp() {
 }
 
 NcclGroup::NcclGroup(std::string what) : what_(std::move(what)) {
+  ++t_nccl_calls;
   BYTESCALE_NCCL_CHECK(ncclGroupStart(), what_);
   open_ = true;
 }
@@ -90,6 +126,7 @@ void checkNcclTensors(const std::vector<at::Tensor>& ts, c10::Device device,
 void ncclSendTensor(const at::Tensor& t, int peer, ncclComm_t comm, cudaStream_t s,
                     const std::string& what) {
   if (t.numel() == 0) return;
+  ++t_nccl_calls;
   BYTESCALE_NCCL_CHECK(
       ncclSend(t.data_ptr(), t.numel(), ncclType(t.scalar_type(), what), peer, comm, s), what);
 }
@@ -97,6 +134,7 @@ void ncclSendTensor(const at::Tensor& t, int peer, ncclComm_t comm, cudaStream_t
 void ncclRecvTensor(const at::Tensor& t, int peer, ncclComm_t comm, cudaStream_t s,
                     const std::string& what) {
   if (t.numel() == 0) return;
+  ++t_nccl_calls;
   BYTESCALE_NCCL_CHECK(
       ncclRecv(t.data_ptr(), t.numel(), ncclType(t.scalar_type(), what), peer, comm, s), what);
 }
@@ -109,6 +147,73 @@ NcclComm::NcclComm(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
 
 NcclComm::~NcclComm() { destroy(); }
 
+namespace {
+
+// ncclCommInitRank on a thread of its own, so the caller can stop waiting after the timeout. A
+// communicator that arrives after the caller gave up is aborted by that thread.
+struct PendingInit {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  bool abandoned = false;
+  ncclComm_t comm = nullptr;
+  ncclResult_t result = ncclSuccess;
+  std::string last_error;
+};
+
+ncclComm_t initRankBounded(int size, const ncclUniqueId& id, int rank, c10::DeviceIndex dev,
+                           std::chrono::milliseconds timeout) {
+  auto st = std::make_shared<PendingInit>();
+  std::thread([st, size, id, rank, dev] {
+    ncclComm_t c = nullptr;
+    ncclResult_t r = ncclInternalError;
+    std::string err;
+    try {
+      const c10::cuda::CUDAGuard guard(c10::Device(c10::DeviceType::CUDA, dev));
+      r = ncclCommInitRank(&c, size, id, rank);
+      if (r != ncclSuccess) err = ncclGetLastError(nullptr);
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+    std::lock_guard<std::mutex> g(st->mu);
+    if (st->abandoned) {
+      if (r == ncclSuccess && c) (void)ncclCommAbort(c);
+      return;
+    }
+    st->comm = c;
+    st->result = r;
+    st->last_error = err;
+    st->done = true;
+    st->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lk(st->mu);
+  const bool finished = timeout <= std::chrono::milliseconds(0)
+                            ? (st->cv.wait(lk, [&] { return st->done; }), true)
+                            : st->cv.wait_for(lk, timeout, [&] { return st->done; });
+  if (!finished) {
+    st->abandoned = true;
+    TORCH_CHECK_WITH(DistBackendError, false, "bytescale: creating the world NCCL communicator on "
+                     "cuda:", static_cast<int>(dev), " (rank ", rank, " of ", size,
+                     ") did not complete within ", timeout.count(),
+                     " ms (the process group's timeout): a rank did not join (every rank must "
+                     "pass device_id= or run the first world collective on a CUDA tensor)");
+  }
+  if (st->result != ncclSuccess) {
+    std::string hint;
+    if (st->result == ncclInvalidUsage)
+      hint = " (NCCL refuses two ranks on one GPU: give each rank its own GPU, "
+             "device_id=torch.device(\"cuda\", local_rank); for several processes on one GPU use "
+             "the staged transport, BYTESCALE_CUDA_TRANSPORT=staged, a development tool)";
+    TORCH_CHECK_WITH(DistBackendError, false, "bytescale communicator init: NCCL error in "
+                     "ncclCommInitRank on cuda:", static_cast<int>(dev), " (rank ", rank, " of ",
+                     size, "): ", ncclGetErrorString(st->result),
+                     st->last_error.empty() ? std::string() : " (" + st->last_error + ")", hint);
+  }
+  return st->comm;
+}
+
+}  // namespace
+
 void NcclComm::connect(c10::DeviceIndex dev) {
   std::lock_guard<std::mutex> g(mu_);
   if (comm_ || aborted_) {
@@ -120,7 +225,11 @@ void NcclComm::connect(c10::DeviceIndex dev) {
   device_ = c10::Device(c10::DeviceType::CUDA, dev);
   c10::cuda::CUDAGuard guard(device_);
   ncclUniqueId id;
-  const std::string key = "bytescale/nccl_uid";
+  // A key per creation: every rank counts the creations on this store (all ranks create each
+  // communicator once), so a job re-initialised on the same store reads the new id, not a stale
+  // one (a stale id would make ncclCommInitRank wait forever).
+  const int64_t count = store_->add("bytescale/nccl_connects", 1);
+  const std::string key = "bytescale/nccl_uid/" + std::to_string((count - 1) / size_);
   if (rank_ == 0) {
     BYTESCALE_NCCL_CHECK(ncclGetUniqueId(&id), "communicator init");
     std::vector<uint8_t> bytes(reinterpret_cast<uint8_t*>(&id),
@@ -132,7 +241,7 @@ void NcclComm::connect(c10::DeviceIndex dev) {
     TORCH_CHECK(bytes.size() == sizeof(id), "bytescale: bad NCCL unique id in the store");
     std::memcpy(&id, bytes.data(), sizeof(id));
   }
-  BYTESCALE_NCCL_CHECK(ncclCommInitRank(&comm_, size_, id, rank_), "communicator init");
+  comm_ = initRankBounded(size_, id, rank_, dev, timeout_);
   stream_ = c10::cuda::getStreamFromPool(true, dev);
 }
 
@@ -208,11 +317,42 @@ std::optional<std::string> NcclComm::asyncError() {
 
 void NcclComm::destroy() {
   ncclComm_t comm = nullptr;
+  std::optional<c10::cuda::CUDAStream> stream;
+  c10::Device dev(c10::DeviceType::CUDA, 0);
   {
     std::lock_guard<std::mutex> g(mu_);
     std::swap(comm, comm_);
+    stream = stream_;
+    dev = device_;
   }
-  if (comm) (void)ncclCommDestroy(comm);
+  if (!comm) return;
+  // Queued operations make ncclCommDestroy wait for them, and they may wait for peers that are
+  // gone: give the communication stream a bounded time to drain, else abort.
+  const auto limit = std::min<std::chrono::milliseconds>(
+      timeout_ > std::chrono::milliseconds(0) ? timeout_ : std::chrono::milliseconds(10000),
+      std::chrono::milliseconds(10000));
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  bool idle = false;
+  try {
+    const c10::cuda::CUDAGuard guard(dev);
+    for (;;) {
+      cudaError_t e = stream ? cudaStreamQuery(stream->stream()) : cudaSuccess;
+      if (e == cudaSuccess) {
+        idle = true;
+        break;
+      }
+      (void)cudaGetLastError();
+      if (e != cudaErrorNotReady) return;  // the CUDA runtime is shutting down: leave it be
+      if (std::chrono::steady_clock::now() >= deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  } catch (...) {
+    return;
+  }
+  if (idle)
+    (void)ncclCommDestroy(comm);
+  else
+    (void)ncclCommAbort(comm);
 }
 
 }  // namespace cuda

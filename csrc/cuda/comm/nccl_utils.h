@@ -46,8 +46,20 @@ class NcclRedOp {
   ncclComm_t comm_ = nullptr;  // set when op_ was created (PREMUL_SUM)
 };
 
+// Checks that `op` can run on tensors of `t`'s dtype (raises naming `what`), without creating
+// anything: called before an NCCL group opens (an error inside an open group would launch the
+// part of the batch queued so far, leaving the peers mismatched).
+void checkNcclReduceOp(const c10d::ReduceOp& op, const at::Tensor& t, const std::string& what);
+// Every tensor's dtype has an NCCL type (raises naming `what`); before a group opens.
+void checkNcclDtypes(const std::vector<at::Tensor>& ts, const std::string& what);
+
+// NCCL calls made by this thread so far (a launch that fails after one was made aborts the
+// communicator: the peers may have started their half of the operation).
+int64_t ncclCallsOnThisThread();
+
 // Closes an NCCL group even when an exception unwinds between ncclGroupStart and ncclGroupEnd
-// (an open group would silently queue every later NCCL call on this thread).
+// (an open group would silently queue every later NCCL call on this thread). Callers validate
+// every dtype and reduce op before opening a group, so only NCCL itself can fail inside one.
 class NcclGroup {
  public:
   explicit NcclGroup(std::string what);
@@ -80,6 +92,10 @@ class NcclComm {
   ~NcclComm();  // destroys (or aborts) the communicator; never throws
 
   // Creates the communicator on cuda:`device` unless it exists; checks a later device matches.
+  // The unique id travels through the store under a key of its own per creation (a job
+  // re-initialised on the same store never reads a stale id), and ncclCommInitRank is bounded by
+  // the group's timeout (it waits for every rank): past it the call raises naming the ranks'
+  // rendezvous, instead of hanging.
   void connect(c10::DeviceIndex device);
   // ncclCommSplit of this (connected) communicator: collective over all its ranks. color >= 0:
   // the member's new communicator (rank order by key) as an NcclComm of `store`/`rank`/`size`;
@@ -98,7 +114,9 @@ class NcclComm {
   std::string abortReason() const;
   // NCCL's asynchronous error, if any (ncclCommGetAsyncError).
   std::optional<std::string> asyncError();
-  // Destroys the communicator cleanly (abort if it was aborted). Idempotent.
+  // Destroys the communicator; idempotent, bounded. ncclCommDestroy waits for the operations
+  // still queued, which may wait for peers that are gone: the communication stream is given
+  // min(timeout, 10 s) to drain, else the communicator is aborted instead.
   void destroy();
 
  private:

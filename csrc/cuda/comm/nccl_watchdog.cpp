@@ -1,5 +1,7 @@
 #include "cuda/comm/nccl_watchdog.h"
 
+#include <c10/cuda/CUDAGuard.h>
+
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
@@ -26,6 +28,11 @@ constexpr auto kPollInterval = std::chrono::milliseconds(100);
 
 // One pass over the pending Works; returns the failure to abort for ("" if none).
 std::string sweep(NcclWatchdog::State& st) {
+  // Works exist only once the communicator does. Every CUDA call of this thread (event queries)
+  // runs on the communicator's device: a thread whose device was never set would create a context
+  // on GPU 0 (~0.5 GiB there for every rank of a node whose GPU is not 0).
+  if (!st.comm->connected()) return "";
+  const c10::cuda::CUDAGuard device(st.comm->device());
   std::deque<c10::intrusive_ptr<NcclWork>> batch;
   {
     std::lock_guard<std::mutex> g(st.mu);

@@ -49,8 +49,13 @@ void NcclWork::fail(const std::string& reason) {
 }
 
 void NcclWork::release() {
-  std::lock_guard<std::mutex> g(mutex_);
-  keep_.clear();
+  std::vector<at::Tensor> drop;
+  {
+    std::lock_guard<std::mutex> g(mutex_);
+    drop.swap(keep_);
+  }
+  // Dropped here, outside the Work's mutex: freeing a tensor may need the GIL (a Python-owned
+  // tensor), which a thread waiting on this Work may hold (the deadlock class of 2c4a8db).
 }
 
 std::string NcclWork::timeoutMessage(std::chrono::milliseconds limit) const {
