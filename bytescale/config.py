@@ -88,7 +88,8 @@ class LoaderConfig:
         with a clear error instead of deadlocking in a ring (needs a process group).
     lockstep: every rank runs the same number of micro-batch slots (empty ones as padding) and ring
         members meet in the same slot: for sharded parameters (FSDP2), whose forward all-gathers
-        need every rank.
+        need every rank. lockstep_group: with lockstep, slots are agreed within blocks of this many
+        consecutive HDP units (expert-parallel groups: ``Plan.group_lockstep``); 0: the whole world.
     max_steps: stop after this many steps (None: endless).
     """
 
@@ -97,6 +98,8 @@ class LoaderConfig:
     prefetch: bool = option(True, "prepare the next step while this one trains")
     check_plan: bool = option(True, "compare a fingerprint of each step's plan across ranks")
     lockstep: bool = option(False, "every rank runs the same number of micro-batch slots (FSDP2)")
+    lockstep_group: int = option(0, "lockstep within blocks of this many HDP units (expert parallelism); "
+                                    "0: all units", min=0)
     max_steps: Optional[int] = option(None, "stop after this many steps", min=0)
 
     def __post_init__(self) -> None:
@@ -105,6 +108,8 @@ class LoaderConfig:
             raise ValueError(f"LoaderConfig.tokens_per_batch must be an integer >= 1, got {self.tokens_per_batch!r}")
         if self.max_steps is not None and self.max_steps < 0:
             raise ValueError(f"LoaderConfig.max_steps must be >= 0, got {self.max_steps}")
+        if isinstance(self.lockstep_group, bool) or not isinstance(self.lockstep_group, int) or self.lockstep_group < 0:
+            raise ValueError(f"LoaderConfig.lockstep_group must be an integer >= 0, got {self.lockstep_group!r}")
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,7 @@ class ParallelConfig:
 
     tp: tensor-parallel ranks per HDP unit (TP innermost). sequence_parallel: norms on tokens / tp.
     fsdp: shard parameters, gradients and optimizer state with FSDP2 over the HDP dimension.
+    ep: expert-parallel degree (:func:`bytescale.models.expert_parallel`).
     """
 
     tp: int = option(1, "tensor-parallel degree: ranks per HDP unit (the mesh is hdp x tp, TP innermost; the "
@@ -144,6 +150,8 @@ class ParallelConfig:
                                             "package's Llama)")
     fsdp: bool = option(False, "shard parameters, gradients and optimizer state with FSDP2 fully_shard over "
                                "the HDP dimension")
+    ep: int = option(1, "expert-parallel degree: each MoE layer's experts sharded over blocks of ep consecutive HDP "
+                        "units, tokens exchanged by all-to-all", min=1)
 
     def __post_init__(self) -> None:
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:

@@ -13,12 +13,19 @@ step over HDP units stay dynamic groups.
 
 A torch ``DeviceMesh`` the user built on the bytescale backend works too
 (:func:`mesh_from_device_mesh`): its dimensions named among ``pp``, ``hdp`` and ``tp`` (any order).
+
+Expert parallelism (``init_mesh(ep=E)``) splits the HDP dimension of each stage and TP index into
+blocks of ``E`` consecutive HDP units: an EXPERT-PARALLEL group (``mesh.group("ep")``) holds the
+ranks of one block (they shard each MoE layer's experts among them and exchange tokens by
+all-to-all), and the EXPERT-DATA-PARALLEL group (``mesh.group("edp")``) holds the ranks at the same
+place of every block (they hold the same experts; expert gradients are summed over it). Both are
+static groups. Dense layers keep the HDP dimension (and TP) unchanged.
 """
 from __future__ import annotations
 
 import socket
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -45,6 +52,10 @@ class Mesh:
     device_mesh: "torch.distributed.device_mesh.DeviceMesh"
     grid: Tuple[Tuple[Tuple[int, ...], ...], ...]
     rank: int
+    ep: int = 1
+    """Expert-parallel degree: HDP units per expert-parallel block (module docstring)."""
+    expert_groups: Dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict)
+    """This rank's static ``"ep"`` and ``"edp"`` groups (made by :func:`init_mesh` when ep > 1)."""
 
     @property
     def pp(self) -> int:
@@ -91,7 +102,12 @@ class Mesh:
 
     def group(self, name: str) -> Optional[dist.ProcessGroup]:
         """The process group of dimension ``name`` through this rank (None for an absent size-1
-        dimension: nothing to communicate)."""
+        dimension: nothing to communicate). ``"ep"``/``"edp"``: the expert-parallel and
+        expert-data-parallel groups (with ep 1: None and the HDP group)."""
+        if name in ("ep", "edp"):
+            if self.ep == 1:
+                return None if name == "ep" else self.group("hdp")
+            return self.expert_groups[name]
         return self[name].get_group() if self.has(name) else None
 
     def ranks(self, name: str, rank: Optional[int] = None) -> Tuple[int, ...]:
@@ -103,15 +119,21 @@ class Mesh:
             return tuple(u[c["tp"]] for u in self.grid[c["pp"]])
         if name == "pp":
             return tuple(stage[c["hdp"]][c["tp"]] for stage in self.grid)
+        if name == "ep":
+            b = c["hdp"] // self.ep * self.ep
+            return tuple(u[c["tp"]] for u in self.grid[c["pp"]][b:b + self.ep])
+        if name == "edp":
+            return tuple(u[c["tp"]] for u in self.grid[c["pp"]][c["hdp"] % self.ep::self.ep])
         raise KeyError(f"bytescale Mesh: no dimension {name!r}")
 
     def describe(self) -> str:
         return (f"pp {self.pp} x hdp {self.hdp} x tp {self.tp} = {self.world_size} ranks "
+                f"{f'(ep {self.ep}) ' if self.ep > 1 else ''}"
                 f"(TP groups {[list(u) for u in self.grid[0][:4]]}{' ...' if self.hdp > 4 else ''})")
 
     def to_dict(self) -> Dict[str, int]:
         """The layout's sizes (checkpoint manifests, plan checks)."""
-        return {"pp": self.pp, "hdp": self.hdp, "tp": self.tp}
+        return {"pp": self.pp, "hdp": self.hdp, "tp": self.tp, "ep": self.ep}
 
 
 def _check_size(name: str, v) -> int:
@@ -139,27 +161,49 @@ def _warn_if_tp_spans_nodes(grid, hostnames: List[str]) -> None:
                 return
 
 
-def init_mesh(tp: int = 1, pp: int = 1, device_type: Optional[str] = None) -> Mesh:
+def _expert_groups(grid, ep: int, rank: int) -> Dict[str, dist.ProcessGroup]:
+    """Create every EP and EDP group (static; every rank creates all of them, in one order) and
+    return this rank's."""
+    mine: Dict[str, dist.ProcessGroup] = {}
+    hdp = len(grid[0])
+    for kind in ("ep", "edp"):
+        for stage in grid:
+            for t in range(len(stage[0])):
+                col = [unit[t] for unit in stage]
+                parts = ([col[b:b + ep] for b in range(0, hdp, ep)] if kind == "ep"
+                         else [col[j::ep] for j in range(ep)])
+                for ranks in parts:
+                    g = dist.new_group(ranks)
+                    if rank in ranks:
+                        mine[kind] = g
+    return mine
+
+
+def init_mesh(tp: int = 1, pp: int = 1, device_type: Optional[str] = None, ep: int = 1) -> Mesh:
     """Lay the world out as ``pp x hdp x tp`` (TP innermost), make it the current mesh, return it.
 
     Collective: every rank calls it after ``dist.init_process_group("bytescale")``. ``hdp`` is
-    ``world / (pp x tp)``. The TP and PP groups are created here, once, as static groups.
+    ``world / (pp x tp)``. The TP and PP groups are created here, once, as static groups; with
+    ``ep`` > 1 so are the expert-parallel and expert-data-parallel groups (module docstring).
 
     Raises:
-        ValueError: a size that is not a positive integer, or a world size that ``pp x tp`` does
-            not divide (naming the values). A TP group whose ranks are on several nodes (by
-            hostname) gives a RuntimeWarning.
+        ValueError: a size that is not a positive integer, a world size that ``pp x tp`` does
+            not divide, or an ``ep`` that does not divide ``hdp`` (naming the values). A TP group
+            whose ranks are on several nodes (by hostname) gives a RuntimeWarning.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     if not dist.is_initialized():
         raise RuntimeError("bytescale.init_mesh: call dist.init_process_group('bytescale') first")
-    tp, pp = _check_size("tp", tp), _check_size("pp", pp)
+    tp, pp, ep = _check_size("tp", tp), _check_size("pp", pp), _check_size("ep", ep)
     world = dist.get_world_size()
     if world % (pp * tp):
         raise ValueError(f"bytescale.init_mesh: the world of {world} ranks is not divisible by pp={pp} x "
                          f"tp={tp} = {pp * tp}; run on a multiple of {pp * tp} ranks or change tp/pp")
     hdp = world // (pp * tp)
+    if hdp % ep:
+        raise ValueError(f"bytescale.init_mesh: ep={ep} does not divide the {hdp} HDP units (world {world} / "
+                         f"(pp={pp} x tp={tp})); expert-parallel groups are blocks of ep units")
     sizes = {"pp": pp, "hdp": hdp, "tp": tp}
     names = tuple(d for d in MESH_DIMS if sizes[d] > 1 or d == "hdp")
     hosts: List[str] = [""] * world
@@ -168,7 +212,8 @@ def init_mesh(tp: int = 1, pp: int = 1, device_type: Optional[str] = None) -> Me
                                    mesh_dim_names=names)
     grid = tuple(tuple(tuple((p * hdp + h) * tp + t for t in range(tp)) for h in range(hdp)) for p in range(pp))
     _warn_if_tp_spans_nodes(grid, hosts)
-    mesh = Mesh(device_mesh, grid, dist.get_rank())
+    groups = _expert_groups(grid, ep, dist.get_rank()) if ep > 1 else {}
+    mesh = Mesh(device_mesh, grid, dist.get_rank(), ep, groups)
     set_current_mesh(mesh)
     return mesh
 

@@ -219,7 +219,7 @@ class HDPLoader:
         sample_ids, lengths = list(batch.sample_ids), [int(n) for n in batch.lengths]
         plan = self.planner.plan(lengths, self.units if not self.units.is_identity else self.units.num_units)
         if self.config.lockstep:  # FSDP2: the plan's lockstep slots (C++, csrc/planner/replay.h)
-            mine = plan.lockstep_micro_batches(self.rank, sample_ids)
+            mine = plan.lockstep_micro_batches(self.rank, sample_ids, self.config.lockstep_group)
         else:
             mine = plan.micro_batches(self.rank, sample_ids)
         bf16 = self.runtime.bf16_grad_comm

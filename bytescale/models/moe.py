@@ -15,6 +15,13 @@ the same global batch exactly::
 with G the global batch's token count. P_e is a plain sum over tokens, so each rank adds its own
 tokens' share; f_e needs the whole document's counts: for a document sharded over a ring the
 counts are all-reduced over the micro-batch's ring (a dynamic group), the rest is local.
+
+Expert parallelism (:func:`bytescale.models.expert_parallel.expert_parallel`) keeps each rank's
+share of the experts and runs them dropless: the router's per-expert token counts are exchanged
+by an all-to-all over the expert-parallel group, the tokens (one row per chosen expert) by an uneven
+all-to-all, the local experts run on what they received, and a reverse all-to-all brings the
+outputs home, where they are weighted and summed exactly as without EP. Routing and the balance
+loss stay on the token's home rank.
 """
 from __future__ import annotations
 
@@ -28,6 +35,28 @@ from ..attention import zigzag
 from ..attention.layout import Layout
 
 __all__ = ["MoE", "balance_loss", "segments"]
+
+
+class _AllToAll(torch.autograd.Function):
+    """Uneven ``all_to_all_single`` of rows; backward sends the gradients back the other way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: List[int], in_splits: List[int], group) -> torch.Tensor:  # type: ignore[override]
+        import torch.distributed as dist
+
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        import torch.distributed as dist
+
+        out_splits, in_splits = ctx.splits
+        g = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(g, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return g, None, None, None
 
 
 def segments(layout: Optional[Layout], num_tokens: int) -> Tuple[List[int], List[int], int]:
@@ -99,8 +128,18 @@ class MoE(nn.Module):
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"MoE: top_k must be in [1, n_experts={n_experts}], got {top_k}")
         self.top_k = top_k
+        self.n_experts = n_experts
         self.router = nn.Linear(dim, n_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(dim, ffn_dim) for _ in range(n_experts))
+        # nn.ModuleList of every expert; under expert parallelism an nn.ModuleDict of this rank's
+        # (keyed by global expert index, so parameter names stay those of the full model)
+        self.experts: nn.Module = nn.ModuleList(Expert(dim, ffn_dim) for _ in range(n_experts))
+        self.ep_group = None   # the expert-parallel process group (set by expert_parallel)
+        self.edp_group = None  # the group the kept experts' gradients are summed over
+        self.ep_size = 1
+
+    def local_experts(self) -> List[Tuple[int, nn.Module]]:
+        """(global expert index, expert) of the experts this rank holds, in index order."""
+        return [(int(name), e) for name, e in self.experts.named_children()]
 
     def forward(self, x: torch.Tensor, layout: Optional[Layout] = None,
                 global_tokens: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -108,6 +147,9 @@ class MoE(nn.Module):
         probs = torch.softmax(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, -1)
         top_w, top_i = probs.topk(self.top_k, dim=-1)
         top_w = (top_w / top_w.sum(-1, keepdim=True)).to(x.dtype)
+        if self.ep_group is not None:
+            out = self._dispatch_combine(x, top_w, top_i)
+            return out, balance_loss(probs, top_i, layout, global_tokens, self.top_k)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             tok, slot = torch.nonzero(top_i == e, as_tuple=True)
@@ -116,3 +158,38 @@ class MoE(nn.Module):
             y = expert(x.index_select(0, tok)) * top_w[tok, slot].unsqueeze(-1)
             out = out.index_add(0, tok, y.to(out.dtype))
         return out, balance_loss(probs, top_i, layout, global_tokens, self.top_k)
+
+    def _dispatch_combine(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
+        """The experts under expert parallelism (module docstring): every rank of the EP group
+        calls this the same number of times in the same order (zero tokens included)."""
+        import torch.distributed as dist
+
+        k, n_exp, ep = self.top_k, self.n_experts, self.ep_size
+        per = n_exp // ep
+        flat_e = top_i.reshape(-1)
+        order = torch.argsort(flat_e, stable=True)       # assignments grouped by expert, so by rank
+        tok = torch.div(order, k, rounding_mode="floor")
+        counts = torch.bincount(flat_e, minlength=n_exp).to(torch.int64)
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=self.ep_group)  # [src][local expert] counts
+        send_splits = counts.view(ep, per).sum(1).tolist()
+        rc = recv.view(ep, per)
+        recv_splits = rc.sum(1).tolist()
+        xr = _AllToAll.apply(x.index_select(0, tok), recv_splits, send_splits, self.ep_group)
+        # the received rows, source by source, each source's by local expert: regroup by expert
+        start = (torch.cumsum(rc.reshape(-1), 0) - rc.reshape(-1)).view(ep, per).tolist()
+        rcl = rc.tolist()
+        ys, idx = [], []
+        for j, (_, expert) in enumerate(self.local_experts()):
+            rows = [torch.arange(start[s][j], start[s][j] + rcl[s][j]) for s in range(ep)]
+            r = torch.cat(rows).to(x.device)
+            idx.append(r)
+            # every local expert runs, on zero rows if none came: every parameter gets a gradient
+            ys.append(expert(xr.index_select(0, r)))
+        perm = torch.cat(idx)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel(), device=perm.device)
+        y = torch.cat(ys).index_select(0, inv) if perm.numel() else torch.cat(ys)
+        yb = _AllToAll.apply(y, send_splits, recv_splits, self.ep_group)
+        w = top_w.reshape(-1).index_select(0, order).unsqueeze(-1)
+        return torch.zeros_like(x).index_add(0, tok, (yb * w).to(x.dtype))

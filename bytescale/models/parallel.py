@@ -200,7 +200,7 @@ def tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = False,
                     use_local_input=True, output_layouts=(Replicate(), None),
                     desired_output_layouts=(seq, None), use_local_output=False)
             plan["moe.router"] = ReplicateParallel()
-            for e in range(len(moe.experts)):
+            for e, _ in moe.local_experts():  # this rank's under expert parallelism
                 plan[f"moe.experts.{e}.w1"] = ColwiseParallel()
                 plan[f"moe.experts.{e}.w3"] = ColwiseParallel()
                 plan[f"moe.experts.{e}.w2"] = RowwiseParallel()

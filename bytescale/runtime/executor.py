@@ -206,6 +206,30 @@ class StepExecutor:
             return Layout.local([1])
         return mb.layout
 
+    def _check_ep_slots(self, step: Step, ep: int) -> None:
+        """Expert parallelism: the step's micro-batches must be the plan's lockstep slots of this
+        rank's EP group (every member the same number, rings in their common slot), or the
+        all-to-alls would hang; a step laid out otherwise raises here on every rank (one small
+        all-reduce of a flag), before the model's collectives."""
+        try:
+            want = step.plan.lockstep_micro_batches(self.mesh.rank, group=ep)
+        except (AttributeError, ValueError) as e:
+            raise ValueError(f"StepExecutor: step {step.index}: cannot check the expert-parallel slots ({e})") from None
+        import torch.distributed as dist
+
+        key = [(m.ring_id, tuple(d.batch_pos for d in m.documents)) for m in want]
+        have = [(m.plan.ring_id, tuple(d.batch_pos for d in m.plan.documents)) for m in step.micro_batches]
+        # agreed by every rank (one tiny all-reduce), so that all of them raise or none does
+        flag = torch.tensor([1 if key == have else 0], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if int(flag) == 0:
+            where = "" if key != have else " on another rank"
+            raise ValueError(
+                f"StepExecutor: step {step.index}: with expert parallelism (ep={ep}) every rank of an EP group must "
+                f"run the plan's lockstep slots ({len(want)} on rank {self.mesh.rank}, padding included), but the "
+                f"step has {len(have)} micro-batches in another order{where}; build the loader with "
+                f"LoaderConfig(lockstep=True, lockstep_group={ep}), or the all-to-alls would hang")
+
     def _loss_scope(self):
         if not self.loss_parallel:
             return contextlib.nullcontext()
@@ -215,6 +239,9 @@ class StepExecutor:
 
     def _check_plan(self, step: Step) -> None:
         plan_units = getattr(step.plan, "units", None)
+        ep = int(getattr(getattr(self.model, "module", None), "ep_size", 1) or 1)
+        if ep > 1 and step.plan is not None and self.mesh is not None:
+            self._check_ep_slots(step, ep)
         if self.mesh is None or plan_units is None:
             return
         mine = self.mesh.units

@@ -19,6 +19,10 @@ micro-batch, overlaps as before: every member then queues the buckets at the sam
 The reduction is a SUM: combined with :func:`bytescale.runtime.token_level_loss` (divide by the global
 number of loss tokens) the result equals single-device training on the global batch.
 
+Expert parallelism (:func:`bytescale.models.expert_parallel`): the experts a rank keeps are summed
+over their expert-data-parallel group (the ranks holding the same experts) in buckets of their own,
+every other parameter over ``process_group`` as above.
+
 Sharded parameters (FSDP2): wrap a model already passed through ``fully_shard``. Then FSDP2 does the
 gradient reduce-scatter (as a SUM: the wrapper sets the gradient divide factor to 1) and gradient
 sync is enabled on the last micro-batch only. FSDP2 all-gathers parameters in every forward, which
@@ -95,6 +99,7 @@ class _Bucket:
     numel: int
     dtype: torch.dtype
     device: torch.device
+    group: Optional[dist.ProcessGroup] = None
     ready: int = 0
     buffer: Optional[torch.Tensor] = None
     work: Optional[object] = None
@@ -127,7 +132,13 @@ class HybridDataParallel(nn.Module):
         self._sync = False
         self._in_step = False
         self.fsdp = hasattr(module, "set_requires_gradient_sync") and hasattr(module, "set_gradient_divide_factor")
+        from ..models.expert_parallel import expert_param_groups
+
+        self._expert_groups = expert_param_groups(module)
         if self.fsdp:
+            if self._expert_groups:
+                raise ValueError("HybridDataParallel: FSDP2 with expert parallelism is not supported (the experts "
+                                 "are sharded over the EP group already); use replicated dense parameters")
             if process_group is not None:
                 raise ValueError("HybridDataParallel: with FSDP2 the sharding mesh is the process group; "
                                  "do not pass process_group")
@@ -143,7 +154,8 @@ class HybridDataParallel(nn.Module):
         if config.broadcast_parameters:
             with torch.no_grad():
                 for t in list(module.parameters()) + list(module.buffers()):
-                    dist.broadcast(_local(t.data), src=self._global_src(), group=process_group)
+                    g = self._group_of(t)
+                    dist.broadcast(_local(t.data), src=self._global_src(g), group=g)
         # DDP-style buckets in reverse registration order (roughly the order grads become ready).
         cap = max(1, int(config.bucket_cap_mb * 1024 * 1024))
         self._buckets: List[_Bucket] = []
@@ -152,7 +164,7 @@ class HybridDataParallel(nn.Module):
         for p in reversed(params):
             n = _local(p).numel()
             if cur and (cur_bytes + n * p.element_size() > cap or p.dtype != cur[0].dtype
-                        or p.device != cur[0].device):
+                        or p.device != cur[0].device or self._group_of(p) is not self._group_of(cur[0])):
                 self._buckets.append(self._make_bucket(cur))
                 cur, cur_bytes = [], 0
             cur.append(p)
@@ -166,19 +178,24 @@ class HybridDataParallel(nn.Module):
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._next_launch = 0
 
-    def _global_src(self) -> int:
-        if self.process_group is None:
-            return 0
-        return dist.get_global_rank(self.process_group, 0)
+    def _group_of(self, t: torch.Tensor) -> Optional[dist.ProcessGroup]:
+        """The group ``t``'s gradient is summed over: an expert's expert-data-parallel group, else
+        the HDP pool."""
+        return self._expert_groups.get(t, self.process_group) if isinstance(t, nn.Parameter) else self.process_group
 
     @staticmethod
-    def _make_bucket(params: List[nn.Parameter]) -> _Bucket:
+    def _global_src(group: Optional[dist.ProcessGroup]) -> int:
+        if group is None:
+            return 0
+        return dist.get_global_rank(group, 0)
+
+    def _make_bucket(self, params: List[nn.Parameter]) -> _Bucket:
         offsets, n = [], 0
         for p in params:
             offsets.append(n)
             n += _local(p).numel()
         return _Bucket(params=params, numel=n, dtype=params[0].dtype, device=params[0].device,
-                       offsets=offsets)
+                       group=self._group_of(params[0]), offsets=offsets)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -275,7 +292,7 @@ class HybridDataParallel(nn.Module):
             else:
                 view.copy_(_grad_local(p).reshape(-1))
         b.buffer = buf
-        b.work = dist.all_reduce(buf, group=self.process_group, async_op=True)
+        b.work = dist.all_reduce(buf, group=b.group, async_op=True)
         b.launched = True
 
     def finish_step(self) -> None:

@@ -40,7 +40,7 @@ def simulate_batch(lengths: Union[Sequence[int], np.ndarray], model: Union[str, 
                    cluster_spec: Union[str, ClusterSpec] = "h100-nvlink-ib400",
                    capacity: Optional[int] = None, efficiency: float = 0.4,
                    profile: Optional[str] = None, cost: Any = None,
-                   grad_bytes: Optional[float] = None, tp: int = 1, pp: int = 1) -> List[SimResult]:
+                   grad_bytes: Optional[float] = None, tp: int = 1, pp: int = 1, ep: int = 1) -> List[SimResult]:
     """Simulates one step of the global batch ``lengths`` under each of ``strategies``.
 
     ``cluster_spec``: a preset name (resized to ``gpus``/``gpus_per_node``) or a ClusterSpec used as
@@ -50,6 +50,8 @@ def simulate_batch(lengths: Union[Sequence[int], np.ndarray], model: Union[str, 
     the model and cluster, or read from ``profile``); the planner plans with it plus the TP
     collectives (:func:`planner_cost`). ``pp``: pipeline stages (1F1B; ``pp`` must divide the
     layers; the planner plans ``gpus / (tp x pp)`` pipelines, ``cost`` is then one stage's).
+    ``ep``: expert parallelism over blocks of ``ep`` units (an MoE model; the all-to-alls and the
+    EP lockstep priced as in :mod:`~bytescale.sim.engine`; not with ``pp``).
     Raises ValueError on bad input, naming it.
     """
     shape = model_shape(model) if isinstance(model, str) else model
@@ -75,7 +77,7 @@ def simulate_batch(lengths: Union[Sequence[int], np.ndarray], model: Union[str, 
     out = []
     for name in strategies:
         sched = build_schedule(name, lens, pipes, cap, pcm, plans, pp, pipeline)
-        res = simulate(sched, cl, shape, cm, tokens, sum_sq, grad_bytes, tp=tp)
+        res = simulate(sched, cl, shape, cm, tokens, sum_sq, grad_bytes, tp=tp, ep=ep)
         res.info["capacity"] = cap
         if pp > 1:
             res.info["stage_layers"] = shape.layers // pp

@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(must divide --gpus-per-node and the model's heads)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B; must divide the model's layers); "
                    "the HDP pool of a stage is its units")
+    p.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE models): experts sharded over "
+                   "blocks of EP HDP units; prices the all-to-alls and the EP lockstep")
     p.add_argument("--context", default="2M", help="longest sequence; longer documents are split (2M, 256K, ...)")
     p.add_argument("--strategy", default="all", help=f"{', '.join(list(STRATEGIES) + list(PP_STRATEGIES))} or all "
                    "(comma-separated list allowed; all = the first six, plus the last two with --pp > 1)")
@@ -149,13 +151,14 @@ def _run(args: argparse.Namespace) -> int:
     cap = parse_tokens(args.capacity, "capacity") if args.capacity is not None else None
     t0 = time.perf_counter()
     results = simulate_batch(lengths, args.model, args.gpus, args.gpus_per_node, names, args.cluster,
-                             cap, args.efficiency, args.profile, tp=args.tp, pp=args.pp)
+                             cap, args.efficiency, args.profile, tp=args.tp, pp=args.pp, ep=args.ep)
     took = time.perf_counter() - t0
     cap = results[0].info["capacity"]
     units = (f", TP {args.tp}: {args.gpus // args.tp} HDP units of {args.tp} GPUs" if args.tp > 1 else "")
     if args.pp > 1:
         units += (f", PP {args.pp}: {args.gpus // (args.tp * args.pp)} pipelines of {args.pp} stages "
                   f"({results[0].info.get('stage_layers')} layers each)")
+    units += f", EP {args.ep}" if args.ep > 1 else ""
     head = (f"{source}: {len(lengths)} sequences, {int(lengths.sum()):,} tokens, longest {int(lengths.max()):,}; "
             f"model {args.model}, {args.gpus} GPUs ({args.gpus_per_node}/node, {args.cluster}){units}, "
             f"capacity {cap} tokens/{'unit' if args.tp > 1 else 'GPU'}; simulated in {took:.2f} s")
@@ -163,7 +166,7 @@ def _run(args: argparse.Namespace) -> int:
     print(table(results))
     if args.json:
         doc = {"config": {"source": source, "model": args.model, "gpus": args.gpus,
-                          "gpus_per_node": args.gpus_per_node, "tp": args.tp, "pp": args.pp, "context": context, "capacity": cap,
+                          "gpus_per_node": args.gpus_per_node, "tp": args.tp, "pp": args.pp, "ep": args.ep, "context": context, "capacity": cap,
                           "cluster": args.cluster, "profile": args.profile, "efficiency": args.efficiency,
                           "sequences": int(len(lengths)), "tokens": int(lengths.sum()), "seed": args.seed,
                           "simulation_s": took},

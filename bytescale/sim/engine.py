@@ -43,6 +43,15 @@ with compute: conservative, the same for every strategy). Before the first: the 
 costs ``global batch tokens x 4 bytes / loader_bw`` (every node reads the whole batch to learn its
 lengths before the plan exists), ``local`` and ``remote`` are prefetched under the previous step.
 
+Expert parallelism (``ep`` > 1, an MoE shape): each micro-batch's MoE layers add four all-to-alls
+per layer (dispatch and combine, forward and backward), each moving ``top_k x hidden x 2`` bytes
+per token of which ``(ep-1)/ep`` leave the GPU, plus ``ep - 1`` latencies, on NVLink when an EP
+block of ``ep`` units fits a node, else on the inter-node link; they are counted as exposed
+communication (no overlap). The schedule then runs in EP lockstep
+(:func:`bytescale.planner.schedule_lockstep`, locals longest first as the loader orders them,
+:func:`bytescale.planner.ep_slot_replay`): a block's units advance slot by slot together, a ring joins its members' blocks, and padding slots
+wait. Gradients: each GPU all-reduces its dense parameters and 1/ep of the experts.
+
 Per rank, ``compute + exposed_comm + tp_comm + offload + idle + grad_sync + data_stall +
 step_overhead == step_time`` (``step_overhead``: a stated fixed per-step cost such as the optimizer step, 0 unless
 given).
@@ -58,7 +67,7 @@ from .cluster import ClusterSpec
 from .model import FWD_SHARE, ModelShape, check_pp, check_tp, gpu_params, p2p_terms, tp_comm_time
 from .strategies import Schedule
 
-__all__ = ["SimResult", "simulate", "micro_batch_times", "BYTES_PER_TOKEN_READ"]
+__all__ = ["SimResult", "simulate", "micro_batch_times", "ep_comm_time", "check_ep", "BYTES_PER_TOKEN_READ"]
 
 BYTES_PER_TOKEN_READ = 4.0  # int32 token ids (bytescale's token store)
 
@@ -168,26 +177,55 @@ def micro_batch_times(s: Schedule, cl: ClusterSpec, cost: Any, tp: int = 1,
     return {"compute": compute, "comm": comm, "offload": off, "tp_comm": tpc}
 
 
+def ep_comm_time(shape: ModelShape, cl: ClusterSpec, tp: int, ep: int) -> Tuple[float, float]:
+    """The MoE all-to-alls of one layer, forward and backward, on one GPU: (seconds per token,
+    seconds per micro-batch); (0, 0) at ep = 1 (module docstring)."""
+    if ep == 1:
+        return 0.0, 0.0
+    inside = ep * tp <= cl.gpus_per_node
+    bw, lat = (cl.intra_bw, cl.intra_latency) if inside else (cl.inter_bw, cl.inter_latency)
+    return 4.0 * (ep - 1) / ep * shape.top_k * shape.hidden * 2.0 / bw, 4.0 * (ep - 1) * lat
+
+
+def check_ep(shape: ModelShape, units: int, ep: int) -> None:
+    """Raise ValueError naming the values when ``ep`` cannot shard the model's experts over
+    blocks of ``units`` HDP units."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"ep must be an integer >= 1, got {ep!r}")
+    if ep == 1:
+        return
+    if not shape.experts:
+        raise ValueError(f"ep={ep} needs a mixture-of-experts model; {shape.name} is dense")
+    if shape.experts % ep:
+        raise ValueError(f"ep={ep} does not divide the {shape.experts} experts of {shape.name}")
+    if units % ep:
+        raise ValueError(f"ep={ep} does not divide the {units} HDP units")
+
+
 def _per_rank(s: Schedule, x: np.ndarray) -> np.ndarray:
     return np.bincount(s.mb_rank, weights=x, minlength=s.world)
 
 
 def simulate(s: Schedule, cl: ClusterSpec, shape: ModelShape, cost: Any, tokens: int,
              sum_sq: float, grad_bytes: Optional[float] = None, step_overhead_s: float = 0.0,
-             tp: int = 1) -> SimResult:
+             tp: int = 1, ep: int = 1) -> SimResult:
     """Simulates one step of schedule ``s`` (module docstring). ``tokens``/``sum_sq``: the global
     batch's tokens and sum of squared document lengths (for tokens/s and MFU); ``grad_bytes``:
     bytes each GPU all-reduces per step (default: bf16 gradients of its parameters, its TP shard);
     ``step_overhead_s``: a fixed per-step cost outside the micro-batches (the optimizer step,
     gradient clipping; 0 by default: negligible next to a large model's step, measured by
     ``benchmarks/validate_sim.py`` for its CPU runs); ``tp``: GPUs per HDP unit (a rank of ``s``),
-    ``cost`` being one unit's compute (:func:`~bytescale.sim.model.cost_model` with the same tp)."""
+    ``cost`` being one unit's compute (:func:`~bytescale.sim.model.cost_model` with the same tp);
+    ``ep``: expert parallelism over blocks of ``ep`` units (module docstring)."""
     from .. import _C
 
     check_tp(shape, cl, tp)
+    check_ep(shape, s.world, ep)
     pp = s.pp
     if pp > 1:
         check_pp(shape, cl, tp, pp)
+        if ep > 1:
+            raise ValueError(f"ep={ep} with {pp} pipeline stages is not modelled; simulate one of them")
         if s.mb_slot is None or s.mb_slot.shape != s.mb_ring.shape:
             raise ValueError(f"schedule for {pp} stages without a slot per micro-batch")
     if s.world * tp * pp > cl.gpus:
@@ -195,6 +233,9 @@ def simulate(s: Schedule, cl: ClusterSpec, shape: ModelShape, cost: Any, tokens:
                          + (f" of {tp} GPUs" if tp > 1 else "") + (f" x {pp} stages" if pp > 1 else "")
                          + f" on a cluster of {cl.gpus} devices")
     t = micro_batch_times(s, cl, cost, tp, tp_comm_time(shape, cl, tp))
+    if ep > 1:
+        per_token, per_call = ep_comm_time(shape, cl, tp, ep)
+        t["comm"] = t["comm"] + float(shape.layers) * (per_token * s.mb_tokens + per_call * (s.mb_tokens > 0))
     dur = t["compute"] + t["comm"] + t["tp_comm"] + t["offload"]
     bubble = 0.0
     if pp > 1:
@@ -205,29 +246,38 @@ def simulate(s: Schedule, cl: ClusterSpec, shape: ModelShape, cost: Any, tokens:
         prep = _C.planner.pipeline_replay_schedule(s.world, pp, s.rank_mb, s.mb_slot, s.mb_ring, s.ring_grp,
                                                    s.grp_ranks, fwd, bwd, np.ascontiguousarray(p2p))
         bubble = float(prep.bubble)
+        rep_step = float(prep.step_time)
+        # the first stage's view: a micro-batch from its forward to its backward there
+        rep_start = np.asarray(prep.fwd_start).reshape(-1, pp)[:, 0]
+        rep_end = np.asarray(prep.bwd_end).reshape(-1, pp)[:, 0]
+    elif ep > 1:
+        from ..planner import ep_slot_replay, schedule_lockstep, sort_local_slots
 
-        class _Rep:  # the first stage's view: a micro-batch from its forward to its backward there
-            step_time = float(prep.step_time)
-            mb_start = np.asarray(prep.fwd_start).reshape(-1, pp)[:, 0]
-            mb_end = np.asarray(prep.bwd_end).reshape(-1, pp)[:, 0]
-        rep = _Rep
+        slots = sort_local_slots(schedule_lockstep(s.world, s.rank_mb, s.mb_ring, s.ring_grp, s.grp_ranks),
+                                 s.mb_ring, dur)
+        r = ep_slot_replay(slots, ep, s.rank_mb, s.mb_ring, dur)
+        rep_start, rep_end, rep_step = r.start, r.end, r.step_time
     else:
         rep = _C.planner.replay_schedule(s.world, s.rank_mb, s.mb_ring, s.ring_grp, s.grp_ranks,
                                          np.ascontiguousarray(dur))
-    grad_bytes = 2.0 * gpu_params(shape, tp, pp) if grad_bytes is None else grad_bytes
+        rep_start, rep_end, rep_step = np.asarray(rep.mb_start), np.asarray(rep.mb_end), float(rep.step_time)
+    if grad_bytes is None:
+        grad_bytes = 2.0 * gpu_params(shape, tp, pp)
+        if ep > 1:  # each GPU holds 1/ep of the experts (their gradients sum over ranks holding the same)
+            grad_bytes -= 2.0 * shape.layers * 3 * shape.hidden * shape.ffn * shape.experts / tp * (1 - 1 / ep)
     sync = cl.allreduce_time(grad_bytes, s.world, max(1, cl.gpus_per_node // tp))
     stall = 0.0
     if s.loader == "global":
         stall = tokens * BYTES_PER_TOKEN_READ / cl.loader_bw
     if not step_overhead_s >= 0:
         raise ValueError(f"step_overhead_s must be >= 0, got {step_overhead_s!r}")
-    step = float(rep.step_time) + sync + stall + step_overhead_s
+    step = rep_step + sync + stall + step_overhead_s
     flops = shape.flops(tokens, sum_sq)
     comp, comm, off = _per_rank(s, t["compute"]), _per_rank(s, t["comm"]), _per_rank(s, t["offload"])
     tpc = _per_rank(s, t["tp_comm"])
     # idle = waiting for ring partners (including a ring's faster members waiting for its slowest
     # one, which the replay counts as busy) + the tail after the rank's last micro-batch
-    idle = float(rep.step_time) - (comp + comm + tpc + off)
+    idle = rep_step - (comp + comm + tpc + off)
     return SimResult(
         strategy=s.strategy, step_time_s=step, tokens=int(tokens),
         tokens_per_s=tokens / step if step > 0 else float("inf"),
@@ -235,9 +285,9 @@ def simulate(s: Schedule, cl: ClusterSpec, shape: ModelShape, cost: Any, tokens:
         pp=pp, bubble=bubble,
         compute=comp, exposed_comm=comm, offload=off, idle=idle, grad_sync_s=sync, data_stall_s=stall,
         step_overhead_s=float(step_overhead_s),
-        mb_start=np.asarray(rep.mb_start) + stall, mb_end=np.asarray(rep.mb_end) + stall,
+        mb_start=rep_start + stall, mb_end=rep_end + stall,
         mb_compute=t["compute"], mb_comm=t["comm"], mb_offload=t["offload"], schedule=s,
         tp_comm=tpc, mb_tp_comm=t["tp_comm"], tp=tp,
-        info={"planner_predicted_step_s": s.planner_step, "replay_step_s": float(rep.step_time),
+        info={"planner_predicted_step_s": s.planner_step, "replay_step_s": rep_step, "ep": ep,
               **({"p2p_s": float(p2p.sum())} if pp > 1 else {}),
               **s.info})

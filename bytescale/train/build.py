@@ -294,6 +294,16 @@ def parallelize(model: nn.Module, info: ModelInfo, cfg: TrainConfig, device: tor
     mesh = mesh or current_mesh()
     if mesh is None:
         raise ConfigError("parallelize: no mesh; call bytescale.init_mesh first")
+    if mesh.ep > 1:
+        from ..models.expert_parallel import expert_parallel
+
+        if info.kind != "llama":
+            raise ConfigError(f"hdp.ep={mesh.ep}: expert parallelism applies to bytescale's MoE Llama presets "
+                              f"(--model mixtral-tiny), not to the HF model {cfg.model.name}")
+        try:
+            expert_parallel(model, mesh)
+        except ValueError as e:
+            raise ConfigError(f"hdp.ep={mesh.ep} with model {cfg.model.name}: {e}") from None
     if mesh.tp > 1:
         from ..models.parallel import hf_tensor_parallel, tensor_parallel
 

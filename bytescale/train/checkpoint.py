@@ -5,8 +5,9 @@ and a manifest (``bytescale_checkpoint.json``: format, step, world size, model c
 config). What it holds:
 
 * ``app``: the model and the optimizer through ``torch.distributed.checkpoint.state_dict``
-  (``get_state_dict`` / ``set_state_dict``), so replicated parameters and FSDP2-sharded ones
-  are written in one layout and re-sharded on load to any world size;
+  (``get_state_dict`` / ``set_state_dict``, the optimizer state flattened per parameter), so
+  replicated parameters, FSDP2-sharded ones and expert-parallel experts (named by their global
+  index) are written in one layout and re-sharded on load to any world size and EP degree;
 * ``trainer``: one JSON string: step, LR schedule, the loader's position (world-size
   independent: sampler epoch and offset) and every rank's RNG states.
 
@@ -57,12 +58,19 @@ class AppState(Stateful):
         self.optimizer = optimizer
 
     def state_dict(self) -> Dict[str, Any]:
-        msd, osd = get_state_dict(self.model, self.optimizer)
+        msd, osd = get_state_dict(self.model, self.optimizer, options=self._options())
         return {"model": msd, "optim": osd}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict["optim"], options=StateDictOptions(strict=True))
+                       optim_state_dict=state_dict["optim"], options=self._options())
+
+    @staticmethod
+    def _options() -> StateDictOptions:
+        # the optimizer state flattened to one key per parameter and field (state.FQN.exp_avg,
+        # param_groups.FQN.lr): under expert parallelism each rank holds other experts, and a
+        # per-FQN layout lets any EP degree read its own experts' state by name
+        return StateDictOptions(strict=True, flatten_optimizer_state_dict=True)
 
 
 def step_name(step: int) -> str:

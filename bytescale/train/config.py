@@ -103,6 +103,7 @@ HDPConfig = _section(
     _lib(PlannerConfig, "offload"),
     _lib(ParallelConfig, "fsdp"),
     _lib(ParallelConfig, "tp"),
+    _lib(ParallelConfig, "ep"),
     _lib(ParallelConfig, "sequence_parallel"),
     _lib(RuntimeConfig, "bf16_grad_comm"),
     _lib(PlannerConfig, "cost", rename="cost_profile", type_="Optional[str]",
@@ -122,7 +123,8 @@ def planner_config(cfg: "TrainConfig", capacity: Optional[int] = None,
 def loader_config(cfg: "TrainConfig") -> LoaderConfig:
     d = cfg.data
     return LoaderConfig(d.tokens_per_batch, seed=d.seed, max_steps=cfg.train.stop_after or cfg.train.steps,
-                        prefetch=d.prefetch, lockstep=cfg.hdp.fsdp)
+                        prefetch=d.prefetch, lockstep=cfg.hdp.fsdp or cfg.hdp.ep > 1,
+                        lockstep_group=0 if cfg.hdp.fsdp else (cfg.hdp.ep if cfg.hdp.ep > 1 else 0))
 
 
 def runtime_config(cfg: "TrainConfig") -> RuntimeConfig:
@@ -130,7 +132,8 @@ def runtime_config(cfg: "TrainConfig") -> RuntimeConfig:
 
 
 def parallel_config(cfg: "TrainConfig") -> ParallelConfig:
-    return ParallelConfig(tp=cfg.hdp.tp, sequence_parallel=cfg.hdp.sequence_parallel, fsdp=cfg.hdp.fsdp)
+    return ParallelConfig(tp=cfg.hdp.tp, sequence_parallel=cfg.hdp.sequence_parallel, fsdp=cfg.hdp.fsdp,
+                          ep=cfg.hdp.ep)
 
 
 @dataclass(frozen=True)
@@ -236,6 +239,9 @@ class TrainConfig:
                               f"(strategy is {self.hdp.strategy!r})")
         if self.hdp.sequence_parallel and self.hdp.tp == 1:
             raise ConfigError("hdp.sequence_parallel needs hdp.tp > 1 (--tp)")
+        if self.hdp.ep > 1 and self.hdp.fsdp:
+            raise ConfigError("hdp.ep > 1 (--ep) with hdp.fsdp (--fsdp) is not supported: the experts are sharded "
+                              "over the EP group already; drop --fsdp")
         if self.hdp.offload and self.hdp.strategy == "static":
             raise ConfigError("hdp.offload (--offload) does not apply to hdp.strategy=static (the DP x CP "
                               "baseline does not offload)")

@@ -116,9 +116,9 @@ class Trainer:
 
         cfg = self.cfg
         try:
-            self.mesh = init_mesh(tp=cfg.hdp.tp)
+            self.mesh = init_mesh(tp=cfg.hdp.tp, ep=cfg.hdp.ep)
         except ValueError as e:
-            raise ConfigError(f"hdp.tp={cfg.hdp.tp}: {e}") from None
+            raise ConfigError(f"hdp.tp={cfg.hdp.tp}, hdp.ep={cfg.hdp.ep}: {e}") from None
         self.units = self.mesh.units
         self.hdp = self.units.num_units
         self.resume_path, self.max_length = self._find_resume_point()
@@ -134,6 +134,9 @@ class Trainer:
             self.source = LengthRecorder(DatasetSource(self.dataset, cfg.data.tokens_per_batch, cfg.data.seed))
         self.model_module, self.info = build_model(cfg, vocab, self.device)
         self.model, self.runtime = parallelize(self.model_module, self.info, cfg, self.device, self.mesh)
+        from ..models.expert_parallel import expert_norm_groups
+
+        self.expert_norm_groups = expert_norm_groups(self.model_module)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
         self.capacity = cfg.hdp.capacity
         units = self.hdp
@@ -188,7 +191,8 @@ class Trainer:
                                     tensorboard_dir=tb, progress=cfg.train.progress, log_every=cfg.train.log_every)
         self.logger.print(
             f"[{self.name}] {self.world} ranks on {self.device.type}"
-            f"{f' (hdp {self.hdp} x tp {self.mesh.tp})' if self.mesh.tp > 1 else ''} | model {cfg.model.name} "
+            f"{f' (hdp {self.hdp} x tp {self.mesh.tp})' if self.mesh.tp > 1 else ''}"
+            f"{f' | EP {self.mesh.ep}' if self.mesh.ep > 1 else ''} | model {cfg.model.name} "
             f"({self.info.params / 1e6:.2f}M parameters{', MoE' if self.info.moe else ''}) | {self.data_desc} | "
             f"capacity {self.capacity} tokens/rank, global batch <= {cfg.data.tokens_per_batch} tokens | "
             f"planner {cfg.hdp.strategy}{f' cp={static_cp}' if static_cp else ''}"
@@ -203,6 +207,10 @@ class Trainer:
         out = {}
         for k, v in get_model_state_dict(self.model_module).items():
             out[k] = tuple(v.shape)  # DTensor.shape is the full shape
+        if self.mesh is not None and self.mesh.ep > 1:  # each rank holds its experts: the union
+            parts: List[Any] = [None] * self.world
+            dist.all_gather_object(parts, out)
+            out = {k: v for part in parts for k, v in part.items()}
         return out
 
     def _data_key(self) -> Dict[str, Any]:
@@ -260,9 +268,10 @@ class Trainer:
         if path is None:
             return
         msg = None
+        shapes = self._shapes()
         if self.rank == 0:
             try:
-                man = validate(path, self.info.arch, self._shapes())
+                man = validate(path, self.info.arch, shapes)
                 if man.get("data_key") != self._data_key():
                     raise CheckpointError(f"checkpoint {path} was trained on other data settings: "
                                           f"{man.get('data_key')} there, {self._data_key()} here")
@@ -283,8 +292,10 @@ class Trainer:
             if self.device.type == "cuda" and rng[self.rank].get("cuda") is not None:
                 torch.cuda.set_rng_state(rng[self.rank]["cuda"])
         saved = tr.get("mesh") or {"hdp": tr["world_size"], "tp": 1}
+        ep_then, ep_now = int(saved.get("ep", 1)), self.mesh.ep
+        eps = (f", ep {ep_then}", f", ep {ep_now}") if max(ep_then, ep_now) > 1 else ("", "")
         self._log0(f"[{self.name}] resumed from {path} (saved at {tr['world_size']} ranks, hdp {saved['hdp']} x "
-                   f"tp {saved['tp']}; now {self.world}, hdp {self.hdp} x tp {self.mesh.tp}) "
+                   f"tp {saved['tp']}{eps[0]}; now {self.world}, hdp {self.hdp} x tp {self.mesh.tp}{eps[1]}) "
                    f"at step {self.step}")
 
     def _log0(self, msg: str) -> None:
@@ -313,7 +324,8 @@ class Trainer:
         from ..runtime.grad import clip_grad_norm_
 
         out = self.executor.run(step)
-        norm = clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip or float("inf"))
+        norm = clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip or float("inf"),
+                               sum_over=self.expert_norm_groups)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()

@@ -1,0 +1,67 @@
+"""``torchrun -m bytescale.train --model mixtral-tiny --ep E``: the MoE's experts sharded over EP groups
+of HDP ranks, through the real entry point, and checkpoints that reshard across EP degrees.
+
+R: 4 ranks, experts replicated (EP 1), 4 steps (the reference run).
+A: 4 ranks, EP 4 (one expert per rank), 4 steps, a checkpoint every 2 steps.
+B: 4 ranks, EP 2, resumed from A's step 2 (DCP reads each rank's two experts, and their optimizer
+   state, by name from the EP 4 checkpoint) to the end.
+Every step of A and B sees R's global batch and R's loss and gradient norm (float32: 1e-5).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from train_launch import jsonl, launch, ok
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1800)]
+
+STEPS = 4
+COMMON = ["--data", "synthetic:byted", "--synthetic-docs", "400", "--synthetic-scale", "0.0005",
+          "--capacity", "128", "--tokens-per-batch", "640", "--steps", STEPS, "--warmup-steps", "2",
+          "--lr", "3e-3", "--progress=false", "--keep", "0", "--model", "mixtral-tiny", "--vocab-size", "64"]
+
+
+def _run(d: Path, name: str, nproc: int, *extra) -> dict:
+    res = ok(launch(nproc, COMMON + ["--metrics", d / f"{name}.jsonl", "--samples-log", d / f"{name}.samples.jsonl",
+                                     *extra], timeout=420))
+    return {"metrics": jsonl(d / f"{name}.jsonl"), "samples": jsonl(d / f"{name}.samples.jsonl"), "out": res.stdout}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ep")
+    out = {"R": _run(d, "R", 4)}
+    out["A"] = _run(d, "A", 4, "--ep", "4", "--checkpoint-dir", d / "ckA", "--save-every", "2")
+    out["B"] = _run(d, "B", 4, "--ep", "2", "--checkpoint-dir", d / "ckB",
+                    "--resume-from", d / "ckA" / "step-00000002")
+    return out
+
+
+def _same(ref: dict, got: dict, steps) -> None:
+    assert [r["step"] for r in got["metrics"]] == list(steps)
+    for r in got["metrics"]:
+        a = ref["metrics"][r["step"]]
+        assert math.isclose(r["loss"], a["loss"], rel_tol=1e-5), (r["step"], r["loss"], a["loss"])
+        assert math.isclose(r["grad_norm"], a["grad_norm"], rel_tol=1e-4), (r["step"], r["grad_norm"], a["grad_norm"])
+    assert got["samples"] == [s for s in ref["samples"] if s["step"] in steps]
+
+
+def test_ep4_trains_like_replicated_experts(runs):
+    assert "| EP 4 |" in runs["A"]["out"]
+    _same(runs["R"], runs["A"], range(STEPS))
+    assert any(r["ring_sizes"] for r in runs["A"]["metrics"]), "no document was sharded over a ring"
+
+
+def test_resume_ep4_to_ep2_gives_the_uninterrupted_losses(runs):
+    _same(runs["R"], runs["B"], range(2, STEPS))
+    assert "ep 4; now 4, hdp 4 x tp 1, ep 2" in runs["B"]["out"]
+
+
+def test_ep_with_a_dense_model_or_fsdp_is_a_clear_error(tmp_path):
+    res = launch(2, COMMON[:-4] + ["--model", "tiny", "--vocab-size", "64", "--ep", "2"], timeout=240)
+    assert res.returncode != 0 and "needs a mixture-of-experts model" in res.stdout + res.stderr
+    res = launch(0, COMMON + ["--ep", "2", "--fsdp"], timeout=240)
+    assert res.returncode != 0 and "--fsdp" in res.stdout + res.stderr
