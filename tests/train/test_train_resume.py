@@ -103,7 +103,8 @@ def test_uninterrupted_run_falls_and_writes_its_outputs(runs):
     assert m[-1]["loss"] < m[0]["loss"]
     for r in m:
         assert r["tokens"] <= 1536 and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["data_wait_s"] >= 0
-        assert r["plan"].startswith("plan[balanced]")
+        # the balanced strategy names the plan it returns: its own, or pow2's when that replays shorter
+        assert r["plan"].startswith(("plan[balanced]", "plan[pow2]")), r["plan"]
     assert (d / "A.png").stat().st_size > 1000
     assert sorted(p.name for p in (d / "ckA").iterdir()) == ["step-00000002", "step-00000004", "step-00000006"]
     man = json.loads((d / "ckA" / "step-00000004" / "bytescale_checkpoint.json").read_text())

@@ -57,7 +57,9 @@ def test_tp2_trains_and_plans_units(runs):
     assert "4 ranks on cpu (hdp 2 x tp 2)" in a["out"]
     m = a["metrics"]
     assert m[-1]["loss"] < m[0]["loss"]
-    assert all(r["plan"].startswith("plan[balanced] units=2 x tp=2") for r in m)
+    # balanced names the plan it returns: its own, or pow2's when that replays shorter
+    assert all(r["plan"].startswith(("plan[balanced] units=2 x tp=2", "plan[pow2] units=2 x tp=2")) for r in m), \
+        [r["plan"] for r in m]
     assert any(r["ring_sizes"] for r in m), "no document was sharded over a ring of units"
 
 
