@@ -100,6 +100,12 @@ def install_from_env() -> None:
     """With ``BYTESCALE_NCCL_ORDER=1``: every backward of the process on a separate thread
     (called by ``import bytescale``; idempotent)."""
     global _env_block
-    if nccl_order() and _env_block is None:
+    try:
+        on = nccl_order()
+    except ValueError:
+        # A malformed BYTESCALE_* knob: importing must still work; the error (naming the knob and
+        # its value) is raised where bytescale first uses the knobs.
+        return
+    if on and _env_block is None:
         _env_block = backward_on_device_thread()
         _env_block.__enter__()
