@@ -336,5 +336,10 @@ def agree(values: Sequence[int], what: str, ranks: Optional[Sequence[int]] = Non
     must call it; it blocks until all did (or the world group's timeout).
     """
     payload = [int(v) for v in values]
-    return _C.comm.agree(payload, str(what), kind, None if ranks is None else [int(r) for r in ranks])
+    members = None if ranks is None else [int(r) for r in ranks]
+    # errors name the op, the group and the peer: "bytescale <what> on world group [0, 1]: ..."
+    shown = members if members is not None else list(range(dist.get_world_size()))
+    listed = ", ".join(map(str, shown)) if len(shown) <= 16 else f"{shown[0]}, ..., {shown[-1]}"
+    label = f"{what} on {'world group' if members is None else 'group'} [{listed}]"
+    return _C.comm.agree(payload, label, kind, members)
 

@@ -251,7 +251,7 @@ class HDPLoader:
         if _C.comm.has_world_transport("cpu"):
             # The agreement primitive (the same exchange as the collective and ring checks): every
             # rank sees every rank's fingerprint and raises the same error.
-            rows = agree([mine], f"HDPLoader step {step.index} (plan check)", kind="plan")
+            rows = agree([mine], f"HDPLoader plan check of step {step.index}", kind="plan")
             bad = [r for r, row in enumerate(rows) if row[0] != rows[0][0]]
             if bad:
                 raise RuntimeError(
