@@ -227,7 +227,12 @@ def test_survivors_fail_clearly_in_time_and_the_job_resumes(chain, point):
         assert took <= PG_TIMEOUT_S + MARGIN_S, f"{what}: rank {i} took {took:.1f} s to fail: {msg}"
         assert f"bytescale.train: rank {i} failed at step" in job["logs"][i] and "--resume" in job["logs"][i]
         if point == "checkpoint":  # its background writer waited on the frozen rank: a timeout, not 30 min
-            assert "the checkpoint writer failed while closing after the error" in job["logs"][i], job["logs"][i][-3000:]
+            # Two orders, both within the timeout: the next step's collective times out first and
+            # closing the writer then fails too, or the writer's own timeout surfaces first (the
+            # next save waits for it) and is the error the rank reports.
+            assert ("the checkpoint writer failed while closing after the error" in job["logs"][i]
+                    or re.search(r"checkpoint step-\d+: the background save into .* failed", rep["message"])), \
+                job["logs"][i][-3000:]
         print(f"{what}: rank {i} raised after {rep['time'] - job['fault']:.1f} s, exited after {took:.1f} s: {msg[:240]}")
     steps = _same_curve(chain["ref"], chain["dir"], name)
     assert steps == list(range(job["start"], job["start"] + len(steps))), steps
