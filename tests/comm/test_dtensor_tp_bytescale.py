@@ -1,7 +1,7 @@
 """Tensor parallelism and DTensor on the bytescale backend, on torch's own (shipped) test harness.
 
 CI cannot run torch's tensor-parallel / DTensor test files (they are not in the torch wheel; see
-``test_torch_tensor_suite.py``), so these tests use what IS shipped: ``DTensorTestBase`` (4 forked
+``test_torch_tensor_suite.py``), so these tests use what IS shipped: ``DTensorTestBase`` (4 spawned
 ranks, ``@with_comms``), pointed at bytescale by ``torch_tensor_suite.BytescaleDTensorTestBase``,
 and its reference ``Transformer`` / ``ModelArgs`` with torch's own TP plan
 (``Transformer.parallelize``). Every check compares against an unsharded reference computed on
@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import (  # noqa: E402
     loss_parallel,
     parallelize_module,
 )
+from torch.testing._internal.common_distributed import MultiProcessTestCase  # noqa: E402
 from torch.testing._internal.common_utils import run_tests  # noqa: E402
 from torch.testing._internal.distributed._tensor.common_dtensor import (  # noqa: E402
     ModelArgs,
@@ -50,10 +51,10 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (  # noqa
     with_comms,
 )
 
-import bytescale  # noqa: E402,F401  (registers the backend; the forked ranks inherit it)
+import bytescale  # noqa: E402,F401  (registers the backend in every rank)
 from torch_tensor_suite import BytescaleDTensorTestBase  # noqa: E402
 
-pytestmark = pytest.mark.multiprocess  # forked ranks (not run_distributed, so say it here)
+pytestmark = pytest.mark.multiprocess  # spawned ranks (not run_distributed, so say it here)
 c10d = torch.ops.c10d_functional
 BATCH, SEQ = 4, 8  # SEQ divisible by the TP degree (sequence parallelism shards it)
 
@@ -92,7 +93,14 @@ def _sp_loss_parallel_plan(model: Transformer, tp_mesh) -> Transformer:
 
 
 class TestDTensorTensorParallelOnBytescale(BytescaleDTensorTestBase):
-    """world size 4 (the harness default), every group on bytescale."""
+    """world size 4 (the harness default), every group on bytescale.
+
+    Ranks are SPAWNED here (the harness' own way), not forked: in the full suite the pytest
+    process has run other tests and holds their threads, and a fork copies locks those threads
+    held (the ranks then stall). The class body carries the bytescale overrides, so a spawned rank
+    that imports this module gets them."""
+
+    _spawn_processes = MultiProcessTestCase._spawn_processes
 
     def _assert_on_bytescale(self, mesh) -> None:
         for dim in range(mesh.ndim):
