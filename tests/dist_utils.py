@@ -98,3 +98,30 @@ def capture_error(fn: Callable[[], Any]):
     except Exception as e:  # noqa: BLE001 - the error is the result under test
         return type(e).__name__, str(e), time.monotonic() - t0
     return None, "no error", time.monotonic() - t0
+
+
+def train_on_whole_documents(ds, loader, model, opt) -> tuple:
+    """The single-process reference of the multi-process training tests: every step of ``loader``
+    trained on its whole documents (no sharding, no rings) with ``model`` (a bytescale Llama, its
+    MoE balance loss included) and ``opt``. Returns the per-step losses and the steps' sample ids."""
+    import torch
+
+    from bytescale.attention import Layout
+    from bytescale.data import IGNORE_INDEX
+    from bytescale.runtime import token_level_loss
+
+    losses, batches = [], []
+    for step in loader:
+        ids = list(step.sample_ids)
+        docs = [ds.tokens(i, 0, ds.length(i)) for i in ids]
+        labels = torch.cat([torch.cat([d[1:], torch.tensor([IGNORE_INDEX])]) for d in docs])
+        pos = torch.cat([torch.arange(len(d)) for d in docs])
+        logits, aux = model(torch.cat(docs), pos, layout=Layout.local([len(d) for d in docs]),
+                            global_tokens=step.global_tokens, return_aux=True)
+        loss = token_level_loss(logits, labels, step.global_loss_tokens)
+        (loss + aux).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+        batches.append(ids)
+    return losses, batches

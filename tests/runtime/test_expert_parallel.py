@@ -16,12 +16,10 @@ import dataclasses
 import pytest
 import torch
 
-from bytescale.attention import Layout
 from bytescale.config import LoaderConfig, PlannerConfig, RuntimeConfig
-from bytescale.data import IGNORE_INDEX, HDPLoader, SyntheticTokens
+from bytescale.data import HDPLoader, SyntheticTokens
 from bytescale.models import Llama, LlamaConfig
-from bytescale.runtime import token_level_loss
-from dist_utils import capture_error, run_distributed
+from dist_utils import capture_error, run_distributed, train_on_whole_documents
 
 pytestmark = pytest.mark.multiprocess
 
@@ -55,20 +53,7 @@ def _reference(cfg: LlamaConfig):
                        rank=0, world_size=WORLD)
     model = _model(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses, batches = [], []
-    for step in loader:
-        ids = list(step.sample_ids)
-        docs = [ds.tokens(i, 0, ds.length(i)) for i in ids]
-        labels = torch.cat([torch.cat([d[1:], torch.tensor([IGNORE_INDEX])]) for d in docs])
-        pos = torch.cat([torch.arange(len(d)) for d in docs])
-        logits, aux = model(torch.cat(docs), pos, layout=Layout.local([len(d) for d in docs]),
-                            global_tokens=step.global_tokens, return_aux=True)
-        loss = token_level_loss(logits, labels, step.global_loss_tokens)
-        (loss + aux).backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-        batches.append(ids)
+    losses, batches = train_on_whole_documents(ds, loader, model, opt)
     loader.close()
     return {k: v.detach() for k, v in model.named_parameters()}, losses, batches
 
