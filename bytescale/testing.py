@@ -10,7 +10,9 @@ Two things make a CUDA run differ from the CPU runs every test does, and both hi
   on CPU too, and surfaces as the transport's timeout error naming what the queue is stuck behind.
 * CUDA autograd runs ``backward`` on a device thread while the caller waits, so grad hooks and
   activation-checkpoint recomputation run there, not on the caller's thread.
-  :func:`backward_on_device_thread` does the same on CPU; with ``BYTESCALE_NCCL_ORDER=1``
+  :func:`backward_on_device_thread` does the same on CPU (except under tracing: the engine hands
+  the caller's dispatcher state, such as torch.compile's dispatch modes, to its device thread, and
+  a Python thread cannot receive it, so such a backward stays on the caller's thread); with ``BYTESCALE_NCCL_ORDER=1``
   ``import bytescale`` turns it on for the whole process (:func:`install_from_env`).
 
 ``BYTESCALE_NCCL_ORDER=1 python -m pytest ...`` runs tests under both (scripts/run_tests.sh runs
@@ -44,9 +46,37 @@ def backward_thread_enabled() -> bool:
     return _installed > 0
 
 
+def _dispatch_tls() -> tuple[str, str]:
+    return (repr(torch._C._dispatch_tls_local_include_set()),
+            repr(torch._C._dispatch_tls_local_exclude_set()))
+
+
+_fresh_thread_tls: list = []  # the dispatcher's thread-local key sets of a fresh thread, read once
+
+
+def _caller_has_dispatch_state() -> bool:
+    """True when the caller's thread carries dispatcher state that CUDA's autograd engine hands to
+    its device thread (at::ThreadLocalState: Python dispatch modes, functorch transforms, include
+    and exclude key sets such as autocast's) but a fresh Python thread cannot receive: tracing
+    (torch.compile's AOT autograd, opcheck, make_fx) runs backward under such state."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    if _get_current_dispatch_mode_stack() or torch._C._functorch.peek_interpreter_stack() is not None:
+        return True
+    if not _fresh_thread_tls:
+        t = threading.Thread(target=lambda: _fresh_thread_tls.append(_dispatch_tls()))
+        t.start()
+        t.join()
+    return _dispatch_tls() != _fresh_thread_tls[0]
+
+
 def _on_device_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         if getattr(_state, "on_device_thread", False):  # reentrant backward: stays on this thread
+            return fn(*args, **kwargs)
+        if _caller_has_dispatch_state():
+            # CUDA's engine carries this state to its device thread; a Python thread cannot, so
+            # the backward stays here rather than running without the caller's modes.
             return fn(*args, **kwargs)
         result: list = []
         error: list = []

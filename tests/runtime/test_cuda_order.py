@@ -118,3 +118,39 @@ def test_grad_sync_never_cycles_with_a_ring_on_one_stream(monkeypatch, via):
     for params, _ in per_rank:
         for p, r in zip(params, ref):
             torch.testing.assert_close(p, r, rtol=1e-9, atol=1e-11)
+
+
+def test_backward_leaves_the_callers_thread_except_under_tracing():
+    """bytescale.testing's device-thread emulation: a grad hook runs on another thread, as on
+    CUDA's device thread; under a dispatch mode (torch.compile's AOT autograd, opcheck), which the
+    real engine hands to its device thread and a Python thread cannot receive, the backward stays
+    on the caller's thread and still computes the right gradient."""
+    import threading
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from bytescale.testing import backward_on_device_thread
+
+    class Counting(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    def hook_thread(mode):
+        x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+        seen = []
+        with mode:
+            y = x * 3.0
+            y.register_hook(lambda g: seen.append(threading.get_ident()))
+            (grad,) = torch.autograd.grad(y.sum(), x)
+        torch.testing.assert_close(grad, torch.full_like(x, 3.0))
+        return seen[0]
+
+    import contextlib
+    with backward_on_device_thread():
+        assert hook_thread(contextlib.nullcontext()) != threading.get_ident()
+        before = Counting.calls
+        assert hook_thread(Counting()) == threading.get_ident()
+        assert Counting.calls > before  # the mode saw the backward's operations
