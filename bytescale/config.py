@@ -12,7 +12,7 @@ from typing import Any, Optional, Tuple
 
 __all__ = ["PlannerConfig", "LoaderConfig", "RuntimeConfig", "ParallelConfig", "ENV_KNOBS", "option"]
 
-STRATEGIES = ("balanced", "naive", "pow2", "static")
+STRATEGIES = ("balanced", "naive", "pow2", "static", "pp-balance", "pp-lockstep")
 
 
 def option(default: Any = None, help: str = "", choices: Optional[Tuple[Any, ...]] = None,
@@ -30,8 +30,11 @@ class PlannerConfig:
     capacity: tokens per micro-batch per rank (before ``memory`` multipliers).
     strategy: "balanced" (ours), "naive" (paper Alg. 1), "pow2" (Megatron-style dynamic CP) or
         "static" (the DP x CP baseline: one CP degree for every sequence, ``static_cp`` or the
-        smallest power of two holding the step's longest sequence); all are C++ planner strategies
-        returning the same :class:`bytescale.planner.Plan`.
+        smallest power of two holding the step's longest sequence); for pipelines also
+        "pp-balance" (the paper's PP-Balance) and "pp-lockstep" (Megatron's lockstep slots); all
+        are C++ planner strategies returning the same :class:`bytescale.planner.Plan`.
+    pp: pipeline stages (``bytescale.init_mesh(pp=P)``): the plan is over one stage's units,
+        every micro-batch gets a 1F1B slot and ``makespan`` is the pipelined step.
     offload: let long sequences offload activations (paper Eq. 3) to use fewer ranks, never
         lengthening the step (not with "static": the baseline does not offload).
     offload_rule: "step" (Eq. 3 under the step's clock, default) or "paper-eq3" (the paper's
@@ -51,6 +54,7 @@ class PlannerConfig:
     memory: Optional[Tuple[float, ...]] = option(None, "per-rank capacity multipliers")
     static_cp: Optional[int] = option(None, "CP degree of the static baseline (none: sized for the longest "
                                             "document)", min=1)
+    pp: int = option(1, "pipeline stages the plan is for (the mesh's pp; slots and the 1F1B replay)", min=1)
 
     def __post_init__(self) -> None:
         if isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 1:
@@ -62,6 +66,8 @@ class PlannerConfig:
         if self.static_cp is not None and (isinstance(self.static_cp, bool) or not isinstance(self.static_cp, int)
                                            or self.static_cp < 1):
             raise ValueError(f"PlannerConfig.static_cp must be an integer >= 1 (or None), got {self.static_cp!r}")
+        if isinstance(self.pp, bool) or not isinstance(self.pp, int) or self.pp < 1:
+            raise ValueError(f"PlannerConfig.pp must be an integer >= 1, got {self.pp!r}")
         if self.offload_rule not in ("step", "paper-eq3"):
             raise ValueError(f"PlannerConfig.offload_rule {self.offload_rule!r} is not 'step' or 'paper-eq3'")
         if self.strategy == "static" and self.offload:
@@ -75,7 +81,7 @@ class PlannerConfig:
 
         return plan(lengths, world_size=world_size, capacity=self.capacity, strategy=self.strategy,
                     offload=self.offload, cost=self.cost, speed=self.speed, memory=self.memory,
-                    static_cp=self.static_cp, offload_rule=self.offload_rule)
+                    static_cp=self.static_cp, offload_rule=self.offload_rule, pp=self.pp)
 
 
 @dataclass(frozen=True)

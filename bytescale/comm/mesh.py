@@ -20,6 +20,14 @@ ranks of one block (they shard each MoE layer's experts among them and exchange 
 all-to-all), and the EXPERT-DATA-PARALLEL group (``mesh.group("edp")``) holds the ranks at the same
 place of every block (they hold the same experts; expert gradients are summed over it). Both are
 static groups. Dense layers keep the HDP dimension (and TP) unchanged.
+
+Pipeline parallelism (``init_mesh(pp=P)``): pipeline ``h`` at TP index ``t`` is ``grid[p][h][t]``
+for ``p = 0 .. P - 1``; a stage's HDP pool is its units (``mesh.units``). Activations and their
+gradients cross each stage boundary on two static two-rank groups, one per direction
+(:meth:`Mesh.p2p_group`): NCCL runs a communicator's operations in issue order on one stream and a
+send waits for its receiver, so one shared channel would deadlock 1F1B (stage p sends the forward
+of slot w while stage p + 1 sends the backward of slot 0, each waiting for the other's receive); on
+a channel of one direction the sender and the receiver list the transfers in the same slot order.
 """
 from __future__ import annotations
 
@@ -56,6 +64,9 @@ class Mesh:
     """Expert-parallel degree: HDP units per expert-parallel block (module docstring)."""
     expert_groups: Dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict)
     """This rank's static ``"ep"`` and ``"edp"`` groups (made by :func:`init_mesh` when ep > 1)."""
+    pipeline_groups: Dict[Tuple[str, int], dist.ProcessGroup] = field(default_factory=dict)
+    """This rank's pipeline channels (pp > 1): ``("fwd", b)`` carries activations from stage b to
+    b + 1, ``("bwd", b)`` their gradients back; two-rank static groups (:meth:`p2p_group`)."""
 
     @property
     def pp(self) -> int:
@@ -109,6 +120,24 @@ class Mesh:
                 return None if name == "ep" else self.group("hdp")
             return self.expert_groups[name]
         return self[name].get_group() if self.has(name) else None
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage (0 .. pp - 1)."""
+        return self.coords()["pp"]
+
+    def p2p_group(self, direction: str, boundary: int) -> dist.ProcessGroup:
+        """The channel of stage boundary ``boundary`` (between stages ``boundary`` and
+        ``boundary + 1``) through this rank: ``"fwd"`` carries activations forward, ``"bwd"``
+        gradients back. One static group per boundary and direction, so that each channel is a
+        first-in first-out queue whose sender and receiver list its transfers in the same order
+        (micro-batch slot order): on CUDA each is its own communicator and stream, and a forward
+        send waiting for its receiver never holds up a backward transfer (module docstring)."""
+        key = (direction, int(boundary))
+        if key not in self.pipeline_groups:
+            raise KeyError(f"bytescale Mesh: rank {self.rank} (stage {self.stage} of {self.pp}) has no "
+                           f"{direction!r} channel across stage boundary {boundary}")
+        return self.pipeline_groups[key]
 
     def ranks(self, name: str, rank: Optional[int] = None) -> Tuple[int, ...]:
         """Global ranks of the ``name`` group through ``rank`` (default: this process)."""
@@ -179,6 +208,23 @@ def _expert_groups(grid, ep: int, rank: int) -> Dict[str, dist.ProcessGroup]:
     return mine
 
 
+def _pipeline_groups(grid, rank: int) -> Dict[Tuple[str, int], dist.ProcessGroup]:
+    """Create every pipeline channel (static two-rank groups: per pipeline and TP index, per stage
+    boundary, one per direction; every rank creates all of them, in one order) and return this
+    rank's."""
+    mine: Dict[Tuple[str, int], dist.ProcessGroup] = {}
+    pp, hdp, tp = len(grid), len(grid[0]), len(grid[0][0])
+    for h in range(hdp):
+        for t in range(tp):
+            for b in range(pp - 1):
+                pair = [grid[b][h][t], grid[b + 1][h][t]]
+                for direction in ("fwd", "bwd"):
+                    g = dist.new_group(pair)
+                    if rank in pair:
+                        mine[(direction, b)] = g
+    return mine
+
+
 def init_mesh(tp: int = 1, pp: int = 1, device_type: Optional[str] = None, ep: int = 1) -> Mesh:
     """Lay the world out as ``pp x hdp x tp`` (TP innermost), make it the current mesh, return it.
 
@@ -213,7 +259,8 @@ def init_mesh(tp: int = 1, pp: int = 1, device_type: Optional[str] = None, ep: i
     grid = tuple(tuple(tuple((p * hdp + h) * tp + t for t in range(tp)) for h in range(hdp)) for p in range(pp))
     _warn_if_tp_spans_nodes(grid, hosts)
     groups = _expert_groups(grid, ep, dist.get_rank()) if ep > 1 else {}
-    mesh = Mesh(device_mesh, grid, dist.get_rank(), ep, groups)
+    channels = _pipeline_groups(grid, dist.get_rank()) if pp > 1 else {}
+    mesh = Mesh(device_mesh, grid, dist.get_rank(), ep, groups, channels)
     set_current_mesh(mesh)
     return mesh
 
@@ -236,7 +283,8 @@ def mesh_from_device_mesh(device_mesh) -> Mesh:
             names = names + (d,)
     full = full.permute([names.index(d) for d in MESH_DIMS])
     grid = tuple(tuple(tuple(int(r) for r in unit) for unit in stage) for stage in full.tolist())
-    mesh = Mesh(device_mesh, grid, dist.get_rank())
+    channels = _pipeline_groups(grid, dist.get_rank()) if len(grid) > 1 else {}
+    mesh = Mesh(device_mesh, grid, dist.get_rank(), pipeline_groups=channels)
     set_current_mesh(mesh)
     return mesh
 

@@ -226,9 +226,12 @@ class HDPLoader:
         micro = tuple(materialize(self.source, mb, bf16) for mb in mine)
         gl_tokens = int(sum(lengths))
         step = Step(step_index, tuple(sample_ids), gl_tokens, gl_tokens - len(lengths), micro, plan, batch=batch)
+        # the units relative to their first rank: every pipeline stage plans the same layout over
+        # its own ranks, and the plan check compares the stages too
+        base = min(self.units.ranks)
+        units = [[r - base for r in unit] for unit in self.units.to_list()]
         step.info["fingerprint"] = _plan_fingerprint(
-            repr((list(sample_ids), lengths, self.world_size, self.units.to_list())).encode()
-            + bytes(plan.to_bytes()))
+            repr((list(sample_ids), lengths, self.world_size, units)).encode() + bytes(plan.to_bytes()))
         return step
 
     def _next_batch(self) -> Tuple[int, GlobalBatch, Dict[str, Any]]:

@@ -203,10 +203,56 @@ class Llama(nn.Module):
         fn = attn_fn or default_attention
         block = MoEBlock if cfg.is_moe else Block
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(block(cfg, fn) for _ in range(cfg.n_layers))
+        # keyed by the layer's index in the whole model, so that a pipeline stage keeps the names
+        # (checkpoints) of its layers: "layers.5.attn.wq.weight" on every pipeline depth
+        self.layers = nn.ModuleDict({str(i): block(cfg, fn) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.stage, self.stages = 0, 1
         self.reset_parameters()
+
+    def pipeline_stage(self, stage: int, stages: int) -> "Llama":
+        """Keep only pipeline stage ``stage`` of ``stages`` equal stages, in place, and return the
+        model: its layers (by their index in the whole model, so that parameter names and
+        checkpoints do not depend on the depth), the embedding on the first stage, the final norm
+        and LM head on the last. Call it on the whole model initialised as a single process would
+        (the same seed on every rank) and before tensor parallelism. A middle or last stage takes
+        ``hidden=`` (the previous stage's output) in :meth:`forward`; a stage before the last
+        returns hidden states ``(T, dim)`` instead of logits.
+
+        Raises:
+            ValueError: the stages do not divide the layers, or ``stage`` is outside [0, stages).
+            RuntimeError: the model is already one stage of a pipeline.
+        """
+        from ..planner import stage_layers
+
+        if self.stages != 1:
+            raise RuntimeError(f"Llama.pipeline_stage: the model is already stage {self.stage} of {self.stages}")
+        try:
+            per = stage_layers(self.cfg.n_layers, stages)
+        except ValueError as e:
+            raise ValueError(f"Llama.pipeline_stage: {e}") from None
+        if not 0 <= stage < stages:
+            raise ValueError(f"Llama.pipeline_stage: stage {stage} outside [0, {stages})")
+        keep = {str(i) for i in range(stage * per, (stage + 1) * per)}
+        for name in list(self.layers.keys()):
+            if name not in keep:
+                del self.layers[name]
+        if stage > 0:
+            self.embed = None
+        if stage < stages - 1:
+            self.norm = None
+            self.lm_head = None
+        self.stage, self.stages = int(stage), int(stages)
+        return self
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.stages - 1
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for m in self.modules():
@@ -215,16 +261,21 @@ class Llama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 layout: Optional[Layout] = None, *, global_tokens: Optional[int] = None,
-                return_aux: bool = False):
-        if input_ids.dim() != 1:
-            raise ValueError(
-                f"Llama expects packed 1-D input_ids (T,), got shape {tuple(input_ids.shape)}"
-            )
+                return_aux: bool = False, hidden: Optional[torch.Tensor] = None):
+        if self.embed is not None:
+            if input_ids is None or input_ids.dim() != 1:
+                raise ValueError(f"Llama expects packed 1-D input_ids (T,), got "
+                                 f"{None if input_ids is None else tuple(input_ids.shape)}")
+            x = self.embed(input_ids)
+        else:
+            if hidden is None or hidden.dim() != 2 or hidden.shape[1] != self.cfg.dim:
+                raise ValueError(f"Llama stage {self.stage} of {self.stages} takes hidden= (T, {self.cfg.dim}), the "
+                                 f"previous stage's output; got {None if hidden is None else tuple(hidden.shape)}")
+            x = hidden
         if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[0], device=input_ids.device)
-        x = self.embed(input_ids)
+            position_ids = torch.arange(x.shape[0], device=x.device)
         aux = None
-        for layer in self.layers:
+        for layer in self.layers.values():
             args = (x, position_ids, layout) + ((global_tokens,) if self.cfg.is_moe else ())
             if self.activation_checkpointing and torch.is_grad_enabled():
                 out = checkpoint(layer, *args, use_reentrant=False)
@@ -235,9 +286,9 @@ class Llama(nn.Module):
                 aux = a if aux is None else aux + a
             else:
                 x = out
-        logits = self.lm_head(self.norm(x))
+        logits = x if self.lm_head is None else self.lm_head(self.norm(x))
         if not return_aux:
             return logits
         if aux is None:
-            return logits, torch.zeros((), dtype=torch.float32, device=input_ids.device)
+            return logits, torch.zeros((), dtype=torch.float32, device=x.device)
         return logits, aux * self.cfg.router_aux_coef

@@ -163,16 +163,21 @@ def tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = False,
     def norm():
         return SequenceParallel(sequence_dim=0) if sp else ReplicateParallel()
 
-    parallelize_module(model, tp_mesh, {
+    if sp and model.stages > 1:
+        raise ValueError("sequence parallelism with pipeline stages is not supported: the activations "
+                         "crossing a stage boundary would be sequence-sharded DTensors")
+    top = {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate(),
                                  use_local_output=not sp),
         "norm": norm(),
         "lm_head": ColwiseParallel(input_layouts=seq if sp else Replicate(),
                                    output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                    use_local_output=not loss_parallel),
-    })
+    }
+    # a pipeline stage holds some of them (Llama.pipeline_stage)
+    parallelize_module(model, tp_mesh, {k: v for k, v in top.items() if getattr(model, k) is not None})
     share = tp > cfg.n_kv_heads
-    for block in model.layers:
+    for block in model.layers.values():
         attn = block.attn
         plan: Dict[str, ParallelStyle] = {
             "attn_norm": norm(), "mlp_norm": norm(),
@@ -212,7 +217,7 @@ def tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = False,
             plan["mlp.w2"] = RowwiseParallel(output_layouts=seq if sp else Replicate(), use_local_output=not sp)
         parallelize_module(block, tp_mesh, plan)
     model.tp_mesh = tp_mesh
-    model.loss_parallel = bool(loss_parallel)
+    model.loss_parallel = bool(loss_parallel) and model.lm_head is not None
     return model
 
 

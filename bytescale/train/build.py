@@ -276,7 +276,7 @@ def _build_hf(cfg: TrainConfig, data_vocab: int, device: torch.device, dtype: to
 def blocks(model: nn.Module, info: ModelInfo) -> List[nn.Module]:
     """The transformer blocks (the unit of checkpointing, compilation and sharding)."""
     if info.kind == "llama":
-        return list(model.layers)
+        return list(model.layers.values())
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:

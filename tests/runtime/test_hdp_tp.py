@@ -67,7 +67,7 @@ def _tp_worker(rank, world, cfg_dict, tp, sp, fsdp):
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 
-        for layer in net.layers:
+        for layer in net.layers.values():
             fully_shard(layer, mesh=mesh["hdp"])
         fully_shard(net, mesh=mesh["hdp"])
         model = HybridDataParallel(net)

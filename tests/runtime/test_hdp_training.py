@@ -154,7 +154,7 @@ def _hdp_fsdp(rank, world):
                        LoaderConfig(TOKENS_PER_BATCH, seed=5, max_steps=STEPS, lockstep=True))
     net = _model(torch.float64)
     mesh = init_device_mesh("cpu", (world,))
-    for layer in net.layers:
+    for layer in net.layers.values():
         fully_shard(layer, mesh=mesh)
     fully_shard(net, mesh=mesh)
     model = HybridDataParallel(net)

@@ -25,7 +25,7 @@ def _grads(ratio, use_checkpoint=False, engine=None):
     ids = torch.randint(0, CFG.vocab_size, (T,), generator=torch.Generator().manual_seed(1))
     pos = torch.cat([torch.arange(120), torch.arange(180)])
     if use_checkpoint:
-        for layer in model.layers:
+        for layer in model.layers.values():
             layer.forward = (lambda f: (lambda x, p, lay=None: checkpoint(f, x, p, lay, use_reentrant=False)))(layer.forward)
     ctx = bytescale.offload(ratio, seq_len=T, min_bytes=1024, engine=engine)
     with ctx:

@@ -1,0 +1,209 @@
+"""Pipeline parallelism under HDP (issue 23): each stage runs its pipeline's micro-batches in the
+1F1B order of the plan's slots (bytescale.runtime.PipelineExecutor), activations and gradients
+cross the stage boundaries on their channels, rings run at every stage on their member pipelines
+at a common slot. After several optimizer steps every stage's parameters, and every step's loss,
+equal single-process training of the whole model on the same global batches (float64, tight
+tolerance): PP 2 x HDP 2 (PP-Balance: uneven micro-batch counts across pipelines, rings, mixed
+local and sharded documents), PP 2 x HDP 2 x TP 2 (8 processes), PP 3 x HDP 1 (three stages,
+warm-up of two), and batches so small that a pipeline has nothing to run. Bad input: a plan for
+another depth, a layer count the stages do not divide; a stage that dies mid-step makes every
+survivor raise within the timeout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from bytescale.config import LoaderConfig, PlannerConfig, RuntimeConfig
+from bytescale.data import HDPLoader, SyntheticTokens
+from bytescale.models import Llama, LlamaConfig
+from dist_utils import capture_error, run_distributed, train_on_whole_documents
+
+pytestmark = pytest.mark.multiprocess
+
+CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=40)
+# a 300-token document needs a ring of 2 units at capacity 160
+LENGTHS = [300, 97, 13, 7, 45, 3, 130, 31, 64, 9, 150, 22, 5, 77, 1, 40, 211]
+SMALL = [23, 5, 17, 2, 40, 11]  # 20-token batches: one or two documents, a pipeline without any
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    pp: int
+    hdp: int
+    tp: int = 1
+    strategy: str = "pp-balance"
+    lengths: tuple = tuple(LENGTHS)
+    tokens_per_batch: int = 700
+    capacity: int = 160
+    seed: int = 6  # with pp-balance: uneven counts, rings (one in a last slot), local and sharded mixed
+    steps: int = 3
+    n_layers: int = 2
+
+
+def _dataset(case: Case):
+    return SyntheticTokens(list(case.lengths), vocab_size=CFG.vocab_size, seed=11)
+
+
+def _cfg(case: Case) -> LlamaConfig:
+    return dataclasses.replace(CFG, n_layers=case.n_layers)
+
+
+def _model(cfg: LlamaConfig) -> Llama:
+    torch.manual_seed(0)
+    return Llama(cfg).to(torch.float64)
+
+
+def _loader_config(case: Case, **kw) -> LoaderConfig:
+    return LoaderConfig(case.tokens_per_batch, seed=case.seed, max_steps=case.steps, **kw)
+
+
+def _reference(case: Case):
+    """One process, the whole model, whole documents, the same global batches."""
+    ds = _dataset(case)
+    loader = HDPLoader(ds, PlannerConfig(case.capacity), _loader_config(case, check_plan=False, prefetch=False),
+                       rank=0, world_size=case.hdp)
+    model = _model(_cfg(case))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses, batches = train_on_whole_documents(ds, loader, model, opt)
+    return {n: p.detach() for n, p in model.named_parameters()}, losses, batches
+
+
+def _stage_setup(case: Case):
+    import bytescale
+    from bytescale import HybridDataParallel, PipelineExecutor
+    from bytescale.models.parallel import tensor_parallel
+
+    mesh = bytescale.init_mesh(tp=case.tp, pp=case.pp)
+    net = _model(_cfg(case)).pipeline_stage(mesh.stage, mesh.pp)
+    if case.tp > 1:
+        tensor_parallel(net, mesh["tp"])
+    model = HybridDataParallel(net, process_group=mesh.group("hdp"), config=RuntimeConfig(bucket_cap_mb=0.01))
+    loader = HDPLoader(_dataset(case), PlannerConfig(case.capacity, case.strategy, pp=case.pp),
+                       _loader_config(case), units=mesh)
+    return mesh, net, model, loader, PipelineExecutor(model, mesh=mesh)
+
+
+def _pp_worker(rank, world, case):
+    mesh, net, model, loader, executor = _stage_setup(case)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    stats = []
+    for step in loader:
+        out = executor.run(step)
+        opt.step()
+        opt.zero_grad()
+        slots = step.plan.micro_batch_slots(rank)
+        stats.append({"ids": list(step.sample_ids), "loss": out.loss, "slots": slots,
+                      "rings": [tuple(m.plan.ring) for m in step.micro_batches],
+                      "sharded": [m.plan.is_ring for m in step.micro_batches],
+                      "docs": [[d.batch_pos for d in m.plan.documents] for m in step.micro_batches]})
+    loader.close()
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in net.named_parameters()}
+    return params, stats, mesh.coords()
+
+
+def _check(case: Case, timeout: float = 420):
+    ref, ref_losses, batches = _reference(case)
+    per_rank = run_distributed(_pp_worker, case.pp * case.hdp * case.tp, case, timeout=timeout)
+    seen = {n: 0 for n in ref}
+    for params, stats, c in per_rank:
+        assert [s["ids"] for s in stats] == batches
+        for n, p in params.items():
+            torch.testing.assert_close(p, ref[n], rtol=1e-9, atol=1e-11, msg=lambda m: f"{n} (rank {c}): {m}")
+            seen[n] += 1
+    assert all(seen.values()), f"parameters no stage holds: {[n for n, v in seen.items() if not v]}"
+    # the step's loss: the last stage's, summed over its units (TP index 0), equals the reference
+    for k in range(case.steps):
+        total = sum(st[k]["loss"] for _, st, c in per_rank if c["tp"] == 0 and c["pp"] == case.pp - 1)
+        assert total == pytest.approx(ref_losses[k], rel=1e-10)
+        assert all(st[k]["loss"] == 0.0 for _, st, c in per_rank if c["pp"] != case.pp - 1)
+    # every stage of a pipeline ran the same micro-batches at the same slots
+    by_pipe = {}
+    for _, st, c in per_rank:
+        by_pipe.setdefault((c["hdp"], c["tp"]), []).append([(s["slots"], s["docs"]) for s in st])
+    for key, runs in by_pipe.items():
+        assert all(r == runs[0] for r in runs), f"pipeline {key}: stages ran different micro-batches"
+    return [(st, c) for _, st, c in per_rank]
+
+
+def test_pp2_hdp2_pp_balance_matches_single_process():
+    runs = _check(Case(pp=2, hdp=2))
+    stage0 = [st for st, c in runs if c["pp"] == 0]
+    counts = [[len(s["slots"]) for s in st] for st in stage0]
+    assert any(a != b for a, b in zip(*counts)), f"no step with uneven micro-batch counts: {counts}"
+    assert any(any(s["sharded"]) for st in stage0 for s in st), "no ring ran"
+    assert any(any(not x for x in s["sharded"]) and any(s["sharded"]) for st in stage0 for s in st), \
+        "no step mixed local and sharded documents"
+    # a ring in a pipeline's last slot
+    assert any(s["sharded"] and s["sharded"][-1] for st in stage0 for s in st)
+
+
+def test_pp2_hdp2_lockstep_with_an_empty_pipeline_matches_single_process():
+    runs = _check(Case(pp=2, hdp=2, strategy="pp-lockstep", lengths=tuple(SMALL), tokens_per_batch=20,
+                       capacity=64, steps=4))
+    assert any(len(s["slots"]) == 0 for st, c in runs for s in st), "no pipeline was empty in any step"
+
+
+def test_pp3_hdp1_three_stages_match_single_process():
+    _check(Case(pp=3, hdp=1, n_layers=3, strategy="balanced", capacity=600))
+
+
+@pytest.mark.skipif(os.environ.get("BYTESCALE_NCCL_ORDER") == "1", reason="8 processes: run once, in the main pass")
+def test_pp2_hdp2_tp2_matches_single_process():
+    runs = _check(Case(pp=2, hdp=2, tp=2), timeout=600)
+    for st, c in runs:
+        for s in st:
+            for ring in s["rings"]:
+                assert all(r % 2 == c["tp"] for r in ring), (ring, c)
+
+
+# -- bad input and faults ---------------------------------------------------------------------------
+
+def _wrong_depth_worker(rank, world):
+    import bytescale
+    from bytescale import HybridDataParallel, PipelineExecutor
+
+    mesh = bytescale.init_mesh(pp=2)
+    net = _model(CFG).pipeline_stage(mesh.stage, mesh.pp)
+    model = HybridDataParallel(net, process_group=mesh.group("hdp"))
+    case = Case(pp=2, hdp=1)
+    loader = HDPLoader(_dataset(case), PlannerConfig(600, "balanced", pp=3), _loader_config(case), units=mesh)
+    step = next(iter(loader))
+    loader.close()
+    return capture_error(lambda: PipelineExecutor(model, mesh=mesh).run(step))
+
+
+def test_a_plan_for_another_depth_raises_on_every_stage():
+    for kind, msg, _ in run_distributed(_wrong_depth_worker, 2, timeout=180):
+        assert kind == "ValueError" and "3" in msg and "2" in msg, msg
+
+
+def test_a_layer_count_the_stages_do_not_divide_raises():
+    with pytest.raises(ValueError, match="3 stages do not divide the model's 2 layers"):
+        _model(CFG).pipeline_stage(0, 3)
+    with pytest.raises(ValueError, match=r"stage 2 outside \[0, 2\)"):
+        _model(CFG).pipeline_stage(2, 2)
+
+
+def _dying_stage_worker(rank, world):
+    import time
+
+    case = Case(pp=2, hdp=2, steps=2)
+    mesh, net, model, loader, executor = _stage_setup(case)
+    steps = iter(loader)
+    executor.run(next(steps))
+    step = next(steps)
+    if rank == world - 1:  # the last stage of pipeline 1 dies before its second step
+        os._exit(0)
+    return capture_error(lambda: executor.run(step))
+
+
+def test_a_stage_that_dies_mid_step_makes_every_survivor_raise():
+    results = run_distributed(_dying_stage_worker, 4, timeout=240, pg_timeout=20.0)
+    assert results[3] is None
+    for kind, msg, took in results[:3]:
+        assert kind is not None, "a survivor finished the step although a stage died"
+        assert took < 120, (msg, took)
