@@ -195,6 +195,7 @@ def _expert_groups(grid, ep: int, rank: int) -> Dict[str, dist.ProcessGroup]:
     return this rank's."""
     mine: Dict[str, dist.ProcessGroup] = {}
     hdp = len(grid[0])
+    timeout = _world_timeout()
     for kind in ("ep", "edp"):
         for stage in grid:
             for t in range(len(stage[0])):
@@ -202,24 +203,36 @@ def _expert_groups(grid, ep: int, rank: int) -> Dict[str, dist.ProcessGroup]:
                 parts = ([col[b:b + ep] for b in range(0, hdp, ep)] if kind == "ep"
                          else [col[j::ep] for j in range(ep)])
                 for ranks in parts:
-                    g = dist.new_group(ranks)
+                    g = dist.new_group(ranks, timeout=timeout)
                     if rank in ranks:
                         mine[kind] = g
     return mine
 
 
+def _world_timeout():
+    """The world group's timeout, for the static groups made here (torch gives a subgroup made
+    without one its 30-minute default: a stuck transfer would raise only after that)."""
+    from . import world_backend
+
+    try:
+        return world_backend().timeout
+    except RuntimeError:  # the world is not bytescale's
+        return None
+
+
 def _pipeline_groups(grid, rank: int) -> Dict[Tuple[str, int], dist.ProcessGroup]:
     """Create every pipeline channel (static two-rank groups: per pipeline and TP index, per stage
     boundary, one per direction; every rank creates all of them, in one order) and return this
-    rank's."""
+    rank's. They time out as the world does."""
     mine: Dict[Tuple[str, int], dist.ProcessGroup] = {}
+    timeout = _world_timeout()
     pp, hdp, tp = len(grid), len(grid[0]), len(grid[0][0])
     for h in range(hdp):
         for t in range(tp):
             for b in range(pp - 1):
                 pair = [grid[b][h][t], grid[b + 1][h][t]]
                 for direction in ("fwd", "bwd"):
-                    g = dist.new_group(pair)
+                    g = dist.new_group(pair, timeout=timeout)
                     if rank in pair:
                         mine[(direction, b)] = g
     return mine
