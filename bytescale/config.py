@@ -148,6 +148,7 @@ class ParallelConfig:
     tp: tensor-parallel ranks per HDP unit (TP innermost). sequence_parallel: norms on tokens / tp.
     fsdp: shard parameters, gradients and optimizer state with FSDP2 over the HDP dimension.
     ep: expert-parallel degree (:func:`bytescale.models.expert_parallel`).
+    pp: pipeline stages (outermost; :class:`bytescale.runtime.PipelineExecutor`).
     """
 
     tp: int = option(1, "tensor-parallel degree: ranks per HDP unit (the mesh is hdp x tp, TP innermost; the "
@@ -158,12 +159,17 @@ class ParallelConfig:
                                "the HDP dimension")
     ep: int = option(1, "expert-parallel degree: each MoE layer's experts sharded over blocks of ep consecutive HDP "
                         "units, tokens exchanged by all-to-all", min=1)
+    pp: int = option(1, "pipeline-parallel degree: stages of the package's Llama (outermost; the mesh is "
+                        "pp x hdp x tp), each stage's HDP units planned with 1F1B slots (use --strategy pp-balance)",
+                     min=1)
 
     def __post_init__(self) -> None:
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"ParallelConfig.tp must be an integer >= 1, got {self.tp!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("ParallelConfig.sequence_parallel needs tp > 1")
+        if isinstance(self.pp, bool) or not isinstance(self.pp, int) or self.pp < 1:
+            raise ValueError(f"ParallelConfig.pp must be an integer >= 1, got {self.pp!r}")
 
 
 ENV_KNOBS = {

@@ -304,6 +304,14 @@ def parallelize(model: nn.Module, info: ModelInfo, cfg: TrainConfig, device: tor
             expert_parallel(model, mesh)
         except ValueError as e:
             raise ConfigError(f"hdp.ep={mesh.ep} with model {cfg.model.name}: {e}") from None
+    if mesh.pp > 1:
+        if info.kind != "llama":
+            raise ConfigError(f"hdp.pp={mesh.pp}: pipeline stages apply to the package's Llama presets, not to the "
+                              f"HF model {cfg.model.name}")
+        try:
+            model.pipeline_stage(mesh.stage, mesh.pp)
+        except ValueError as e:
+            raise ConfigError(f"hdp.pp={mesh.pp} with model {cfg.model.name}: {e}") from None
     if mesh.tp > 1:
         from ..models.parallel import hf_tensor_parallel, tensor_parallel
 
@@ -336,7 +344,8 @@ def parallelize(model: nn.Module, info: ModelInfo, cfg: TrainConfig, device: tor
             fully_shard(b, mesh=mesh["hdp"])
         fully_shard(model, mesh=mesh["hdp"])
         return HybridDataParallel(model, config=rt), rt
-    return HybridDataParallel(model, process_group=mesh.group("hdp") if mesh.tp > 1 else None, config=rt), rt
+    group = mesh.group("hdp") if mesh.tp > 1 or mesh.pp > 1 else None  # the stage's HDP pool
+    return HybridDataParallel(model, process_group=group, config=rt), rt
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig):

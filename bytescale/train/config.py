@@ -104,6 +104,7 @@ HDPConfig = _section(
     _lib(ParallelConfig, "fsdp"),
     _lib(ParallelConfig, "tp"),
     _lib(ParallelConfig, "ep"),
+    _lib(ParallelConfig, "pp"),
     _lib(ParallelConfig, "sequence_parallel"),
     _lib(RuntimeConfig, "bf16_grad_comm"),
     _lib(PlannerConfig, "cost", rename="cost_profile", type_="Optional[str]",
@@ -117,7 +118,7 @@ def planner_config(cfg: "TrainConfig", capacity: Optional[int] = None,
     """The run's :class:`~bytescale.config.PlannerConfig` (``capacity``: a resumed run's raised one)."""
     h = cfg.hdp
     return PlannerConfig(capacity or h.capacity, strategy=h.strategy, offload=h.offload, cost=h.cost_profile,
-                         static_cp=static_cp or None)
+                         static_cp=static_cp or None, pp=h.pp)
 
 
 def loader_config(cfg: "TrainConfig") -> LoaderConfig:
@@ -133,7 +134,7 @@ def runtime_config(cfg: "TrainConfig") -> RuntimeConfig:
 
 def parallel_config(cfg: "TrainConfig") -> ParallelConfig:
     return ParallelConfig(tp=cfg.hdp.tp, sequence_parallel=cfg.hdp.sequence_parallel, fsdp=cfg.hdp.fsdp,
-                          ep=cfg.hdp.ep)
+                          ep=cfg.hdp.ep, pp=cfg.hdp.pp)
 
 
 @dataclass(frozen=True)
@@ -242,6 +243,14 @@ class TrainConfig:
         if self.hdp.ep > 1 and self.hdp.fsdp:
             raise ConfigError("hdp.ep > 1 (--ep) with hdp.fsdp (--fsdp) is not supported: the experts are sharded "
                               "over the EP group already; drop --fsdp")
+        if self.hdp.pp > 1:
+            what = {"fsdp": self.hdp.fsdp, "ep": self.hdp.ep > 1, "sequence_parallel": self.hdp.sequence_parallel,
+                    "strategy=static": self.hdp.strategy == "static"}
+            bad = [k for k, v in what.items() if v]
+            if bad:
+                raise ConfigError(f"hdp.pp={self.hdp.pp} (--pp) with {', '.join('hdp.' + b for b in bad)} is not "
+                                  "supported: pipelines run replicated stages of the package's Llama (with --tp) "
+                                  "under an HDP strategy (pp-balance, pp-lockstep, balanced, naive, pow2)")
         if self.hdp.offload and self.hdp.strategy == "static":
             raise ConfigError("hdp.offload (--offload) does not apply to hdp.strategy=static (the DP x CP "
                               "baseline does not offload)")

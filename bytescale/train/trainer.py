@@ -7,7 +7,9 @@ loader plans the global batch over HDP units and prefetches the next one), the s
 (:class:`bytescale.runtime.StepExecutor`: forward and backward of each micro-batch in the plan's
 order with its layout and offload ratio, the token-level loss plus the MoE balance loss, gradient
 sync over the HDP dimension), clipping on the summed gradient, the optimizer and LR steps,
-metrics, and a checkpoint when due. The job's mesh is ``hdp x tp`` (``--tp``, :func:`bytescale.init_mesh`).
+metrics, and a checkpoint when due. The job's mesh is ``pp x hdp x tp`` (``--pp``, ``--tp``,
+:func:`bytescale.init_mesh`); with ``--pp`` each rank trains its pipeline stage through
+:class:`bytescale.runtime.PipelineExecutor` (1F1B over the plan's slots).
 """
 from __future__ import annotations
 
@@ -116,9 +118,9 @@ class Trainer:
 
         cfg = self.cfg
         try:
-            self.mesh = init_mesh(tp=cfg.hdp.tp, ep=cfg.hdp.ep)
+            self.mesh = init_mesh(tp=cfg.hdp.tp, pp=cfg.hdp.pp, ep=cfg.hdp.ep)
         except ValueError as e:
-            raise ConfigError(f"hdp.tp={cfg.hdp.tp}, hdp.ep={cfg.hdp.ep}: {e}") from None
+            raise ConfigError(f"hdp.tp={cfg.hdp.tp}, hdp.pp={cfg.hdp.pp}, hdp.ep={cfg.hdp.ep}: {e}") from None
         self.units = self.mesh.units
         self.hdp = self.units.num_units
         self.resume_path, self.max_length = self._find_resume_point()
@@ -137,6 +139,9 @@ class Trainer:
         from ..models.expert_parallel import expert_norm_groups
 
         self.expert_norm_groups = expert_norm_groups(self.model_module)
+        if self.mesh.pp > 1:  # each stage holds its own parameters: their norms add up over the pipeline
+            pp_group = self.mesh.group("pp")
+            self.expert_norm_groups = {p: pp_group for p in self.model_module.parameters()}
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
         self.capacity = cfg.hdp.capacity
         units = self.hdp
@@ -165,12 +170,14 @@ class Trainer:
                                 units=self.units)
         self.step = 0
         self.peak = peak_flops(self.device, cfg.train.peak_tflops)
-        from ..runtime import StepExecutor
+        from ..runtime import PipelineExecutor, StepExecutor
 
         dev_type = self.device.type
-        self.executor = StepExecutor(
-            self.model, mesh=self.mesh,
-            autocast=(lambda: torch.autocast(dev_type, dtype=torch.bfloat16)) if cfg.train.bf16 else None)
+        autocast = (lambda: torch.autocast(dev_type, dtype=torch.bfloat16)) if cfg.train.bf16 else None
+        if self.mesh.pp > 1:
+            self.executor = PipelineExecutor(self.model, mesh=self.mesh, autocast=autocast)
+        else:
+            self.executor = StepExecutor(self.model, mesh=self.mesh, autocast=autocast)
         if cfg.checkpoint.dir:
             self.checkpointer = Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep,
                                              async_save=cfg.checkpoint.async_save, timeout=train_timeout())
@@ -191,7 +198,8 @@ class Trainer:
                                     tensorboard_dir=tb, progress=cfg.train.progress, log_every=cfg.train.log_every)
         self.logger.print(
             f"[{self.name}] {self.world} ranks on {self.device.type}"
-            f"{f' (hdp {self.hdp} x tp {self.mesh.tp})' if self.mesh.tp > 1 else ''}"
+            f"{f' (hdp {self.hdp} x tp {self.mesh.tp})' if self.mesh.tp > 1 and self.mesh.pp == 1 else ''}"
+            f"{f' (pp {self.mesh.pp} x hdp {self.hdp} x tp {self.mesh.tp})' if self.mesh.pp > 1 else ''}"
             f"{f' | EP {self.mesh.ep}' if self.mesh.ep > 1 else ''} | model {cfg.model.name} "
             f"({self.info.params / 1e6:.2f}M parameters{', MoE' if self.info.moe else ''}) | {self.data_desc} | "
             f"capacity {self.capacity} tokens/rank, global batch <= {cfg.data.tokens_per_batch} tokens | "
@@ -207,7 +215,7 @@ class Trainer:
         out = {}
         for k, v in get_model_state_dict(self.model_module).items():
             out[k] = tuple(v.shape)  # DTensor.shape is the full shape
-        if self.mesh is not None and self.mesh.ep > 1:  # each rank holds its experts: the union
+        if self.mesh is not None and (self.mesh.ep > 1 or self.mesh.pp > 1):  # its experts / stage: the union
             parts: List[Any] = [None] * self.world
             dist.all_gather_object(parts, out)
             out = {k: v for part in parts for k, v in part.items()}
@@ -292,6 +300,10 @@ class Trainer:
             if self.device.type == "cuda" and rng[self.rank].get("cuda") is not None:
                 torch.cuda.set_rng_state(rng[self.rank]["cuda"])
         saved = tr.get("mesh") or {"hdp": tr["world_size"], "tp": 1}
+        if int(saved.get("pp", 1)) != self.mesh.pp:
+            raise CheckpointError(f"{path}: saved with {saved.get('pp', 1)} pipeline stages, resumed with "
+                                  f"hdp.pp={self.mesh.pp}; a pipeline depth change is not supported (resume at "
+                                  "the same --pp; the HDP degree may change)")
         ep_then, ep_now = int(saved.get("ep", 1)), self.mesh.ep
         eps = (f", ep {ep_then}", f", ep {ep_now}") if max(ep_then, ep_now) > 1 else ("", "")
         self._log0(f"[{self.name}] resumed from {path} (saved at {tr['world_size']} ranks, hdp {saved['hdp']} x "
@@ -348,7 +360,8 @@ class Trainer:
                 torch.cuda.reset_peak_memory_stats(self.device)
             out = self.train_step(step)
             elapsed = time.perf_counter() - t0
-            # every TP rank of a unit computes the unit's loss: count it once (TP index 0)
+            # every TP rank of a unit computes the unit's loss: count it once (TP index 0); with
+            # pipelines only the last stage has a loss (the others report 0)
             first = float(self.mesh.coords()["tp"] == 0)
             mine = torch.tensor([out["loss"] * first, out["aux"] * first, out["compute"], wait, elapsed,
                                  out["mbs"]], dtype=torch.float64)
