@@ -129,6 +129,7 @@ class PipelineExecutor:
         self.device, self.dtype = p.device, p.dtype
         self.dim = stage_model.cfg.dim
         self._sends: List[Any] = []
+        self._waited = 0.0
 
     # -- the schedule ----------------------------------------------------------------------------
     def run(self, step: Step) -> StepOutput:
@@ -138,6 +139,7 @@ class PipelineExecutor:
         order = pipeline_order(slots, self.stages, self.stage)
         held: Dict[int, _Held] = {}
         loss = aux = 0.0
+        self._waited = 0.0
         t0 = time.perf_counter()
         n_back = 0
         try:
@@ -151,12 +153,17 @@ class PipelineExecutor:
                     self._backward(step, k, mb, h, last=n_back == len(step.micro_batches))
                     loss += h.loss
                     aux += h.aux_value
+            t1 = time.perf_counter()
             for w in self._sends:
                 w.wait()
+            self._waited += time.perf_counter() - t1
         finally:
             self._sends = []
         self.model.finish_step()
-        return StepOutput(loss, aux, time.perf_counter() - t0, sum(1 for m in step.micro_batches if m.num_tokens))
+        # compute_s: the time inside this stage's operations (receives and send completions
+        # excluded), so that 1 - compute / step over all ranks is the measured bubble
+        busy = time.perf_counter() - t0 - self._waited
+        return StepOutput(loss, aux, busy, sum(1 for m in step.micro_batches if m.num_tokens))
 
     def _forward(self, step: Step, k: int, mb: MicroBatch) -> _Held:
         T = mb.num_tokens
@@ -208,8 +215,10 @@ class PipelineExecutor:
     def _recv(self, shape, channel: Tuple[str, int], stage: int, step: Step, k: int, what: str) -> torch.Tensor:
         buf = torch.empty(shape, dtype=self.dtype, device=self.device)
         peer = self._peer(stage)
+        t0 = time.perf_counter()
         try:
             dist.recv(buf, src=peer, group=self.mesh.p2p_group(*channel))
+            self._waited += time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - re-raised with the schedule's position
             raise RuntimeError(
                 f"PipelineExecutor: stage {self.stage} (rank {self.mesh.rank}) step {step.index}: receiving the "

@@ -1,0 +1,72 @@
+"""PP 2 x HDP 2 measured on CPU through the real entry point (``torchrun --nproc_per_node 4 -m
+bytescale.train --pp 2``): the same data, model, seed and steps under three plans of the same
+pipelines, run ``--rounds`` times alternately so that load on the machine hits them alike:
+
+* ``pp-balance``: the paper's PP-Balance (with its safety nets, csrc/planner/pp_balance.cpp);
+* ``pp-lockstep``: Megatron's lockstep slots (every pipeline the same count, rings aligned);
+* ``naive``: the paper's Alg. 1 token-balanced order, slotted as it comes.
+
+    python benchmarks/bench_pp_runtime.py --steps 8 --rounds 2 --json pp_runtime.json
+
+Reported per plan: the median step time over the measured steps (the first two are warm-up),
+tokens/s, the MEASURED bubble (1 - the ranks' mean time inside their forward / backward operations
+over the step; receives and waits for transfers excluded, PipelineExecutor's ``compute_s``), the
+PLANNED bubble (the plan's 1F1B replay, ``Plan.bubble``), the last step's loss (the same batches
+from the same weights: equal to float tolerance) and the load average during the runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_tp import _run  # noqa: E402  (one launcher for the measured CPU benchmarks)
+
+PLANS = ("pp-balance", "pp-lockstep", "naive")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default="synthetic:byted")
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--capacity", type=int, default=2048, help="tokens per micro-batch per unit of a stage")
+    ap.add_argument("--tokens-per-batch", type=int, default=16384)
+    ap.add_argument("--scale", type=float, default=1 / 256)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    runs = {k: [] for k in PLANS}
+    with tempfile.TemporaryDirectory() as d:
+        for r in range(args.rounds):
+            for name in PLANS:
+                runs[name].append(_run(Path(d), f"{name}-{r}", args, ["--pp", "2", "--strategy", name]))
+    out = {}
+    for name, rs in runs.items():
+        rows = [row for run in rs for row in run["rows"][2:]]
+        times = [row["step_time_s"] for row in rows]
+        measured = [1 - (row["compute_s"] / row["imbalance"]) / row["step_time_s"] for row in rows]
+        planned = [float(m.group(1)) for row in rows for m in [re.search(r"bubble ([0-9.]+)", row["plan"])] if m]
+        out[name] = {"median_step_s": statistics.median(times),
+                     "tokens_per_s": sum(row["tokens"] for row in rows) / sum(times),
+                     "measured_bubble": statistics.mean(measured),
+                     "planned_bubble": statistics.mean(planned) if planned else float("nan"),
+                     "last_loss": rs[0]["rows"][-1]["loss"], "load": statistics.mean(run["load"] for run in rs),
+                     "steps_measured": len(times), "plans": sorted({row["plan"].split()[0] for row in rows})}
+    base = out["pp-lockstep"]["median_step_s"]
+    print(f"{'plan':<12} {'median step (s)':>16} {'tokens/s':>9} {'vs lockstep':>12} {'bubble measured':>16} "
+          f"{'bubble planned':>15} {'last loss':>10} {'load':>5}")
+    for name, o in out.items():
+        print(f"{name:<12} {o['median_step_s']:>16.3f} {o['tokens_per_s']:>9.0f} {base / o['median_step_s']:>11.2f}x "
+              f"{o['measured_bubble']:>16.3f} {o['planned_bubble']:>15.3f} {o['last_loss']:>10.4f} {o['load']:>5.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
