@@ -30,6 +30,12 @@ every stage's operations embed in one canonical pipeline's acyclic dependency gr
 joins operations of the same (stage, direction, slot). Sends are asynchronous and waited for at
 the end of the step.
 
+Why not ``torch.distributed.pipelining``: its stages take one activation shape (inferred once, or
+given) for every micro-batch, while here each micro-batch has its own token count; its schedules
+give every pipeline the same number of micro-batches and know nothing of a ring that joins stages
+of several pipelines at one slot; and it sends both directions over one group. Its 1F1B order is
+the one used here (``csrc/planner/pipeline.h``), over the plan's slots.
+
 Loss: the last stage computes the token-level loss over the global batch (and the model's MoE
 balance loss where a stage has MoE layers: each stage adds its own), so the gradients equal
 single-process training on the same global batch; :class:`StepOutput.loss` is the last stage's

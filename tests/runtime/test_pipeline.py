@@ -5,7 +5,9 @@ at a common slot. After several optimizer steps every stage's parameters, and ev
 equal single-process training of the whole model on the same global batches (float64, tight
 tolerance): PP 2 x HDP 2 (PP-Balance: uneven micro-batch counts across pipelines, rings, mixed
 local and sharded documents), PP 2 x HDP 2 x TP 2 (8 processes), PP 3 x HDP 1 (three stages,
-warm-up of two), and batches so small that a pipeline has nothing to run. Bad input: a plan for
+warm-up of two), and batches so small that a pipeline has nothing to run; then a matrix of meshes
+(PP 2 x HDP 2, PP 2 x HDP 3, PP 4, PP 2 x TP 2) x plan strategies (pp-balance, pp-lockstep,
+balanced, naive, pow2) x batches, each ending equal to single-process training. Bad input: a plan for
 another depth, a layer count the stages do not divide; a stage that dies mid-step makes every
 survivor raise within the timeout; and one channel for both directions (what the per-direction
 channels avoid) surfaces under NCCL's execution model as the transport's timeout error naming the
@@ -230,3 +232,76 @@ def test_one_shared_channel_would_deadlock_under_nccl_order(monkeypatch):
     results = run_distributed(_shared_channel_worker, 2, timeout=240, pg_timeout=15.0)
     for kind, msg, took in results:
         assert kind is not None, "one shared channel ran 1F1B to the end under NCCL order"
+
+
+# -- the hang matrix: meshes x plan strategies x batches, each ending equal to single-process training
+
+MATRIX_STRATEGIES = ("pp-balance", "pp-lockstep", "balanced", "naive", "pow2")
+MATRIX_SEEDS = (6, 9)
+
+
+def _matrix_capacity(hdp: int) -> int:
+    return 160 if hdp > 1 else 600  # one pipeline holds the 300-token document alone
+
+
+def _matrix_worker(rank, world, pp, hdp, tp, n_layers):
+    mesh = None
+    out = {}
+    for strategy in MATRIX_STRATEGIES:
+        for seed in MATRIX_SEEDS:
+            case = Case(pp=pp, hdp=hdp, tp=tp, strategy=strategy, seed=seed, steps=2, n_layers=n_layers,
+                        capacity=_matrix_capacity(hdp))
+            if mesh is None:
+                mesh, net, model, loader, executor = _stage_setup(case)
+            else:  # the same mesh (its groups), a fresh model and loader
+                from bytescale import HybridDataParallel, PipelineExecutor
+                from bytescale.models.parallel import tensor_parallel
+
+                net = _model(_cfg(case)).pipeline_stage(mesh.stage, mesh.pp)
+                if tp > 1:
+                    tensor_parallel(net, mesh["tp"])
+                model = HybridDataParallel(net, process_group=mesh.group("hdp"),
+                                           config=RuntimeConfig(bucket_cap_mb=0.01))
+                loader = HDPLoader(_dataset(case), PlannerConfig(case.capacity, strategy, pp=pp),
+                                   _loader_config(case), units=mesh)
+                executor = PipelineExecutor(model, mesh=mesh)
+            opt = torch.optim.SGD(model.parameters(), lr=0.5)
+            losses, shapes = [], []
+            for step in loader:
+                losses.append(executor.run(step).loss)
+                opt.step()
+                opt.zero_grad()
+                shapes.append((len(step.micro_batches), sum(m.plan.is_ring for m in step.micro_batches)))
+            loader.close()
+            out[(strategy, seed)] = ({n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+                                      for n, p in net.named_parameters()}, losses, shapes)
+    return out, mesh.coords()
+
+
+@pytest.mark.parametrize("pp,hdp,tp,n_layers", [(2, 2, 1, 2), (2, 3, 1, 2), (4, 1, 1, 4), (2, 1, 2, 2)],
+                         ids=["pp2xhdp2", "pp2xhdp3", "pp4", "pp2xtp2"])
+def test_matrix_of_meshes_strategies_and_batches_matches_single_process(pp, hdp, tp, n_layers):
+    refs = {seed: _reference(Case(pp=pp, hdp=hdp, tp=tp, seed=seed, steps=2, n_layers=n_layers,
+                                  capacity=_matrix_capacity(hdp)))
+            for seed in MATRIX_SEEDS}
+    per_rank = run_distributed(_matrix_worker, pp * hdp * tp, pp, hdp, tp, n_layers, timeout=600)
+    uneven = rings = False
+    for out, c in per_rank:
+        for (strategy, seed), (params, losses, shapes) in out.items():
+            ref, ref_losses, _ = refs[seed]
+            for n, p in params.items():
+                torch.testing.assert_close(p, ref[n], rtol=1e-9, atol=1e-11,
+                                           msg=lambda m: f"{strategy} seed {seed} {n} (rank {c}): {m}")
+            rings |= any(r for _, r in shapes)
+    for k in range(2):  # the step's loss summed over the last stage's units, per configuration
+        for key in out:
+            total = sum(o[key][1][k] for o, c in per_rank if c["pp"] == pp - 1 and c["tp"] == 0)
+            assert total == pytest.approx(refs[key[1]][1][k], rel=1e-10), key
+    if hdp > 1:
+        counts = {}
+        for out, c in per_rank:
+            if c["pp"] == 0 and c["tp"] == 0:
+                for key, (_, _, shapes) in out.items():
+                    counts.setdefault(key, []).append(tuple(n for n, _ in shapes))
+        uneven = any(len(set(v)) > 1 for v in counts.values())
+        assert uneven and rings, (counts, rings)
