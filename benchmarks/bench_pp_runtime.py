@@ -40,6 +40,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens-per-batch", type=int, default=16384)
     ap.add_argument("--scale", type=float, default=1 / 256)
     ap.add_argument("--json")
+    ap.add_argument("--png", help="bar chart of step time and bubbles per plan")
     args = ap.parse_args(argv)
     runs = {k: [] for k in PLANS}
     with tempfile.TemporaryDirectory() as d:
@@ -66,6 +67,30 @@ def main(argv=None) -> None:
               f"{o['measured_bubble']:>16.3f} {o['planned_bubble']:>15.3f} {o['last_loss']:>10.4f} {o['load']:>5.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
+    if args.png:
+        _plot(out, args.png)
+
+
+def _plot(out: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(out)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    a.bar(names, [out[n]["median_step_s"] for n in names], color=["tab:green", "tab:gray", "tab:orange"])
+    a.set_ylabel("median step (s)")
+    a.set_title("PP 2 x HDP 2 on CPU: step time")
+    x = range(len(names))
+    b.bar([i - 0.2 for i in x], [out[n]["measured_bubble"] for n in names], width=0.4, label="measured")
+    b.bar([i + 0.2 for i in x], [out[n]["planned_bubble"] for n in names], width=0.4, label="planned (replay)")
+    b.set_xticks(list(x), names)
+    b.set_ylabel("bubble (idle share)")
+    b.set_title("bubble")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ cross the stage boundaries on their channels, rings run at every stage on their 
 at a common slot. After several optimizer steps every stage's parameters, and every step's loss,
 equal single-process training of the whole model on the same global batches (float64, tight
 tolerance): PP 2 x HDP 2 (PP-Balance: uneven micro-batch counts across pipelines, rings, mixed
-local and sharded documents), PP 2 x HDP 2 x TP 2 (8 processes), PP 3 x HDP 1 (three stages,
+local and sharded documents; and with MoE layers), PP 2 x HDP 2 x TP 2 (8 processes), PP 3 x HDP 1 (three stages,
 warm-up of two), and batches so small that a pipeline has nothing to run; then a matrix of meshes
 (PP 2 x HDP 2, PP 2 x HDP 3, PP 4, PP 2 x TP 2) x plan strategies (pp-balance, pp-lockstep,
 balanced, naive, pow2) x batches, each ending equal to single-process training. Bad input: a plan for
@@ -47,6 +47,7 @@ class Case:
     seed: int = 6  # with pp-balance: uneven counts, rings (one in a last slot), local and sharded mixed
     steps: int = 3
     n_layers: int = 2
+    moe: bool = False
 
 
 def _dataset(case: Case):
@@ -54,7 +55,8 @@ def _dataset(case: Case):
 
 
 def _cfg(case: Case) -> LlamaConfig:
-    return dataclasses.replace(CFG, n_layers=case.n_layers)
+    cfg = dataclasses.replace(CFG, n_layers=case.n_layers)
+    return dataclasses.replace(cfg, n_experts=4, top_k=2, ffn_dim=24) if case.moe else cfg
 
 
 def _model(cfg: LlamaConfig) -> Llama:
@@ -150,6 +152,11 @@ def test_pp2_hdp2_lockstep_with_an_empty_pipeline_matches_single_process():
     runs = _check(Case(pp=2, hdp=2, strategy="pp-lockstep", lengths=tuple(SMALL), tokens_per_batch=20,
                        capacity=64, steps=4))
     assert any(len(s["slots"]) == 0 for st, c in runs for s in st), "no pipeline was empty in any step"
+
+
+def test_pp2_hdp2_moe_balance_loss_of_every_stage_matches_single_process():
+    # each stage's MoE layers add their router balance loss to its own backward
+    _check(Case(pp=2, hdp=2, moe=True, steps=2))
 
 
 def test_pp3_hdp1_three_stages_match_single_process():
