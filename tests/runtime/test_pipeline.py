@@ -200,8 +200,6 @@ def test_a_layer_count_the_stages_do_not_divide_raises():
 
 
 def _dying_stage_worker(rank, world):
-    import time
-
     case = Case(pp=2, hdp=2, steps=2)
     mesh, net, model, loader, executor = _stage_setup(case)
     steps = iter(loader)

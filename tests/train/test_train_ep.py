@@ -9,12 +9,11 @@ Every step of A and B sees R's global batch and R's loss and gradient norm (floa
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 
-from train_launch import jsonl, launch, ok
+from train_launch import assert_same_steps, launch, logged_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1800)]
 
@@ -25,9 +24,7 @@ COMMON = ["--data", "synthetic:byted", "--synthetic-docs", "400", "--synthetic-s
 
 
 def _run(d: Path, name: str, nproc: int, *extra) -> dict:
-    res = ok(launch(nproc, COMMON + ["--metrics", d / f"{name}.jsonl", "--samples-log", d / f"{name}.samples.jsonl",
-                                     *extra], timeout=420))
-    return {"metrics": jsonl(d / f"{name}.jsonl"), "samples": jsonl(d / f"{name}.samples.jsonl"), "out": res.stdout}
+    return logged_run(d, name, nproc, COMMON + list(extra))
 
 
 @pytest.fixture(scope="module")
@@ -40,23 +37,16 @@ def runs(tmp_path_factory):
     return out
 
 
-def _same(ref: dict, got: dict, steps) -> None:
-    assert [r["step"] for r in got["metrics"]] == list(steps)
-    for r in got["metrics"]:
-        a = ref["metrics"][r["step"]]
-        assert math.isclose(r["loss"], a["loss"], rel_tol=1e-5), (r["step"], r["loss"], a["loss"])
-        assert math.isclose(r["grad_norm"], a["grad_norm"], rel_tol=1e-4), (r["step"], r["grad_norm"], a["grad_norm"])
-    assert got["samples"] == [s for s in ref["samples"] if s["step"] in steps]
 
 
 def test_ep4_trains_like_replicated_experts(runs):
     assert "| EP 4 |" in runs["A"]["out"]
-    _same(runs["R"], runs["A"], range(STEPS))
+    assert_same_steps(runs["R"], runs["A"], range(STEPS))
     assert any(r["ring_sizes"] for r in runs["A"]["metrics"]), "no document was sharded over a ring"
 
 
 def test_resume_ep4_to_ep2_gives_the_uninterrupted_losses(runs):
-    _same(runs["R"], runs["B"], range(2, STEPS))
+    assert_same_steps(runs["R"], runs["B"], range(2, STEPS))
     assert "ep 4; now 4, hdp 4 x tp 1, ep 2" in runs["B"]["out"]
 
 

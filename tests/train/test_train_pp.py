@@ -12,12 +12,11 @@ refused at another depth with a clear error.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 
-from train_launch import jsonl, launch, ok
+from train_launch import assert_same_steps, launch, logged_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1800)]
 
@@ -28,9 +27,7 @@ COMMON = ["--data", "synthetic:byted", "--synthetic-docs", "400", "--synthetic-s
 
 
 def _run(d: Path, name: str, nproc: int, *extra) -> dict:
-    res = ok(launch(nproc, COMMON + ["--metrics", d / f"{name}.jsonl", "--samples-log", d / f"{name}.samples.jsonl",
-                                     *extra], timeout=420))
-    return {"metrics": jsonl(d / f"{name}.jsonl"), "samples": jsonl(d / f"{name}.samples.jsonl"), "out": res.stdout}
+    return logged_run(d, name, nproc, COMMON + list(extra))
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +44,6 @@ def runs(tmp_path_factory):
     return out
 
 
-def _same(ref: dict, got: dict, steps) -> None:
-    assert [r["step"] for r in got["metrics"]] == list(steps)
-    for r in got["metrics"]:
-        a = ref["metrics"][r["step"]]
-        assert math.isclose(r["loss"], a["loss"], rel_tol=1e-5), (r["step"], r["loss"], a["loss"])
-        assert math.isclose(r["grad_norm"], a["grad_norm"], rel_tol=1e-4), (r["step"], r["grad_norm"], a["grad_norm"])
-    assert got["samples"] == [s for s in ref["samples"] if s["step"] in steps]
 
 
 def test_pp2_trains_like_plain_hdp_and_plans_pipelines(runs):
@@ -63,12 +53,12 @@ def test_pp2_trains_like_plain_hdp_and_plans_pipelines(runs):
     assert m[-1]["loss"] < m[0]["loss"]
     assert all(r["plan"].startswith("plan[pp-") and "pipelines of 2 stages" in r["plan"] for r in m), \
         [r["plan"] for r in m]
-    _same(runs["R"], a, range(STEPS))
+    assert_same_steps(runs["R"], a, range(STEPS))
 
 
 def test_resume_across_hdp_degrees_at_fixed_pp(runs):
-    _same(runs["A"], runs["B"], range(2, 4))
-    _same(runs["A"], runs["C"], range(4, STEPS))
+    assert_same_steps(runs["A"], runs["B"], range(2, 4))
+    assert_same_steps(runs["A"], runs["C"], range(4, STEPS))
     assert "now 6" in runs["C"]["out"]
 
 

@@ -10,12 +10,11 @@ Every step of B, C and F sees A's global batch and A's loss and gradient norm (f
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 
-from train_launch import jsonl, launch, ok
+from train_launch import assert_same_steps, logged_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1800)]
 
@@ -26,9 +25,7 @@ COMMON = ["--data", "synthetic:byted", "--synthetic-docs", "400", "--synthetic-s
 
 
 def _run(d: Path, name: str, nproc: int, *extra) -> dict:
-    res = ok(launch(nproc, COMMON + ["--metrics", d / f"{name}.jsonl", "--samples-log", d / f"{name}.samples.jsonl",
-                                     *extra], timeout=420))
-    return {"metrics": jsonl(d / f"{name}.jsonl"), "samples": jsonl(d / f"{name}.samples.jsonl"), "out": res.stdout}
+    return logged_run(d, name, nproc, COMMON + list(extra))
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +40,6 @@ def runs(tmp_path_factory):
     return out
 
 
-def _same(ref: dict, got: dict, steps) -> None:
-    assert [r["step"] for r in got["metrics"]] == list(steps)
-    for r in got["metrics"]:
-        a = ref["metrics"][r["step"]]
-        assert math.isclose(r["loss"], a["loss"], rel_tol=1e-5), (r["step"], r["loss"], a["loss"])
-        assert math.isclose(r["grad_norm"], a["grad_norm"], rel_tol=1e-4), (r["step"], r["grad_norm"], a["grad_norm"])
-    assert got["samples"] == [s for s in ref["samples"] if s["step"] in steps]
 
 
 def test_tp2_trains_and_plans_units(runs):
@@ -64,12 +54,12 @@ def test_tp2_trains_and_plans_units(runs):
 
 
 def test_resume_tp2_to_tp1_and_back_on_the_same_batches_and_losses(runs):
-    _same(runs["A"], runs["B"], range(2, 4))
+    assert_same_steps(runs["A"], runs["B"], range(2, 4))
     assert "hdp 2 x tp 2; now 3, hdp 3 x tp 1" in runs["B"]["out"]
-    _same(runs["A"], runs["C"], range(4, STEPS))
+    assert_same_steps(runs["A"], runs["C"], range(4, STEPS))
     assert "hdp 3 x tp 1; now 4, hdp 2 x tp 2" in runs["C"]["out"]
 
 
 def test_tp2_with_fsdp2_over_hdp_matches(runs):
-    _same(runs["A"], runs["F"], range(STEPS))
+    assert_same_steps(runs["A"], runs["F"], range(STEPS))
     assert "FSDP2" in runs["F"]["out"]

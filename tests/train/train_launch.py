@@ -47,3 +47,25 @@ def ok(res: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 def jsonl(path) -> List[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
+
+
+def logged_run(d: Path, name: str, nproc: int, args: Sequence[str], timeout: float = 420.0) -> dict:
+    """A successful ``launch`` whose metrics and samples go to ``d/name.jsonl`` and
+    ``d/name.samples.jsonl``: returns them (parsed) and the run's stdout."""
+    res = ok(launch(nproc, list(args) + ["--metrics", d / f"{name}.jsonl", "--samples-log",
+                                         d / f"{name}.samples.jsonl"], timeout=timeout))
+    return {"metrics": jsonl(d / f"{name}.jsonl"), "samples": jsonl(d / f"{name}.samples.jsonl"), "out": res.stdout}
+
+
+def assert_same_steps(ref: dict, got: dict, steps, loss_rtol: float = 1e-5, norm_rtol: float = 1e-4) -> None:
+    """``got`` (a :func:`logged_run`) ran exactly ``steps``, each on ``ref``'s global batch with
+    ``ref``'s loss and gradient norm (float32 tolerances)."""
+    import math
+
+    assert [r["step"] for r in got["metrics"]] == list(steps)
+    for r in got["metrics"]:
+        a = ref["metrics"][r["step"]]
+        assert math.isclose(r["loss"], a["loss"], rel_tol=loss_rtol), (r["step"], r["loss"], a["loss"])
+        assert math.isclose(r["grad_norm"], a["grad_norm"], rel_tol=norm_rtol), (r["step"], r["grad_norm"],
+                                                                                  a["grad_norm"])
+    assert got["samples"] == [s for s in ref["samples"] if s["step"] in steps]
