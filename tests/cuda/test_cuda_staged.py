@@ -2,7 +2,8 @@
 csrc/comm/staged_transport.h: every message through pinned host memory over Gloo): what NCCL
 cannot run on a single GPU (it refuses two ranks on one device) runs multi-process here with the
 real CUDA compute path: ring attention with the flash / cuDNN steps, CUDA dynamic-group and world
-collectives, and HDP training with activation offloading, against single-process references.
+collectives, HDP training with activation offloading, and PP 2 x HDP 2 pipelines (PipelineExecutor),
+against single-process references.
 Skipped without a GPU (the staging code itself is tested on CPU tensors in
 tests/comm/test_staged_transport.py). Run by scripts/gpu_check.sh.
 """
@@ -139,3 +140,47 @@ def test_hdp_with_offload_on_one_gpu_matches_single_process():
         for p, r in zip(params, ref):
             # fp32 on CUDA against the float64 CPU reference
             torch.testing.assert_close(p.double(), r, rtol=1e-4, atol=1e-5)
+
+
+def _pipeline_on_cuda(rank, world):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+    from test_pipeline import Case, _cfg, _dataset, _loader_config, _model  # noqa: E402
+
+    import bytescale
+    from bytescale import HybridDataParallel, PipelineExecutor
+    from bytescale.config import PlannerConfig, RuntimeConfig
+    from bytescale.data import HDPLoader
+
+    case = Case(pp=2, hdp=2, steps=2)
+    mesh = bytescale.init_mesh(pp=2)
+    net = _model(_cfg(case)).pipeline_stage(mesh.stage, mesh.pp).to(torch.float32).cuda()
+    model = HybridDataParallel(net, process_group=mesh.group("hdp"), config=RuntimeConfig(bucket_cap_mb=0.01))
+    loader = HDPLoader(_dataset(case), PlannerConfig(case.capacity, case.strategy, pp=2), _loader_config(case),
+                       units=mesh)
+    executor = PipelineExecutor(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in loader:
+        executor.run(step)
+        opt.step()
+        opt.zero_grad()
+    loader.close()
+    return {n: p.detach().cpu() for n, p in net.named_parameters()}
+
+
+def test_pipeline_pp2_hdp2_on_one_gpu_matches_single_process():
+    """PP 2 x HDP 2 (bytescale.PipelineExecutor: 1F1B over the plan's slots, activations and
+    gradients on the per-direction channels) with the CUDA compute path, against the float64
+    single-process reference of tests/runtime/test_pipeline.py."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+    from test_pipeline import Case, _reference  # noqa: E402
+
+    ref, _, _ = _reference(Case(pp=2, hdp=2, steps=2))
+    for params in run_distributed(_pipeline_on_cuda, 4, timeout=300):
+        for n, p in params.items():
+            torch.testing.assert_close(p.double(), ref[n], rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
