@@ -43,6 +43,7 @@
 #include <limits>
 #include <map>
 #include <numeric>
+#include <functional>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -51,6 +52,22 @@
 #include "attention/zigzag.h"
 #include "planner/builder.h"
 #include "planner/pipeline.h"
+
+#ifndef PPB_RECV
+#define PPB_RECV 4
+#endif
+#ifndef PPB_CHG
+#define PPB_CHG 4
+#endif
+#ifndef PPB_BUDGET
+#define PPB_BUDGET 1e18
+#endif
+#ifndef PPB_GLOBAL
+#define PPB_GLOBAL 1e18
+#endif
+#ifndef PPB_MARGIN
+#define PPB_MARGIN 1e18
+#endif
 
 namespace bytescale {
 namespace planner {
@@ -264,6 +281,7 @@ class PPBalance {
 
   Plan run() {
     const double lb = pipelineBound(flat_, ctx_).value();
+    global_left_ = PPB_GLOBAL * static_cast<double>(std::max<size_t>(1, ctx_.order.size())) * P_;
     static const double kFactors[] = {1.0, 1.05, 1.12, 1.25, 1.5, 2.0, 3.0};
     // Micro-batch sizes: capacity-sized bins have the least per-micro-batch overhead, smaller ones
     // the smallest bubble ((P-1) x the costliest micro-batch) and more pieces to balance with.
@@ -290,6 +308,7 @@ class PPBalance {
           if (!have || cur.step < best.step * (1 - 1e-12)) {
             std::swap(best, cur);
             have = true;
+            best_post_ = best.step;
           }
         }
         // halving the bins again only helps while the last halving did
@@ -718,17 +737,21 @@ class PPBalance {
     }
     double best = -1;
     size_t arg = 0, last = 0;
+    #ifdef PPB_NOPRUNE
+    const bool prune = false;
+#else
     const bool prune = std::isfinite(threshold) && pipes.size() > 1;
+#endif
     for (size_t c = 0; c < cands.size(); ++c) {
       if (c > 0 && cands[c].pre == cands[c - 1].pre && cands[c].tail == cands[c - 1].tail) continue;
       for (int h : pipes) orderPipeline(L, h, cands[c].pre, cands[c].tail);
+      last = c;  // the order L holds
       if (prune) {
         bool hopeless = false;
         for (int h : changed) hopeless = hopeless || alone(L, h) >= threshold;
         if (hopeless) continue;
       }
       const double t = evaluate(L, pipes);
-      last = c;
       if (best < 0 || t < best * (1 - 1e-12)) {
         best = t;
         arg = c;
@@ -764,7 +787,17 @@ class PPBalance {
       double delta;
       int32_t give, take;  // the donor's bin, the receiver's bin (-1: a move)
     };
+    int64_t layout_ops = 0;
+    for (int h = 0; h < H_; ++h) layout_ops += static_cast<int64_t>(L.lists[h].size()) * P_;
+    const int64_t start_ops = g_work.replayed_ops;
+    const double cap_ops = std::min<double>(PPB_BUDGET * layout_ops, global_left_);
+    auto spent = [&] { return static_cast<double>(g_work.replayed_ops - start_ops); };
+    struct Charge {
+      PPBalance* self; std::function<double()> f;
+      ~Charge() { self->global_left_ -= f(); }
+    } charge{this, spent};
     for (int move = 0; move < max_moves; ++move) {
+      if (spent() >= cap_ops) return;
       int donor = 0;
       for (int h = 1; h < H_; ++h)
         if (L.finish[h] > L.finish[donor]) donor = h;
@@ -773,7 +806,7 @@ class PPBalance {
       std::iota(recv.begin(), recv.end(), 0);
       std::stable_sort(recv.begin(), recv.end(), [&](int a, int b) { return L.finish[a] < L.finish[b]; });
       bool improved = false;
-      for (int ri = 0; ri < std::min(H_, 4) && !improved; ++ri) {
+      for (int ri = 0; ri < std::min(H_, PPB_RECV) && !improved; ++ri) {
         const int to = recv[ri];
         if (to == donor) continue;
         const double gap = L.finish[donor] - L.finish[to];
@@ -790,7 +823,7 @@ class PPBalance {
         std::stable_sort(changes.begin(), changes.end(), [&](const Change& a, const Change& b) {
           return std::abs(a.delta - gap / 2) < std::abs(b.delta - gap / 2);
         });
-        if (changes.size() > 4) changes.resize(4);
+        if (changes.size() > PPB_CHG) changes.resize(PPB_CHG);
         pipes = members[comp[donor]];
         if (comp[to] != comp[donor]) pipes.insert(pipes.end(), members[comp[to]].begin(), members[comp[to]].end());
         double before = 0;
@@ -848,17 +881,20 @@ class PPBalance {
     placeRings(L, load, cmax);
     packBins(ctx_, locals, L, bin_cap);
     assignBins(L, load, cmax, T, runs);
+#ifndef PPB_NODEDUPE
     if (!firstSeen(L)) {
       ++g_work.passes_skipped;
       return false;
     }
+#endif
     L.lists.assign(H_, {});
     L.finish.assign(H_, 0.0);
     std::vector<int> comp;
     std::vector<std::vector<int>> members;
     cohorts(L, comp, members);
     for (const auto& c : members) orderCohort(L, c);
-    balance(L, comp, members);
+    const double pre = *std::max_element(L.finish.begin(), L.finish.end());
+    if (!(best_post_ > 0 && pre > best_post_ * (1 + PPB_MARGIN))) balance(L, comp, members);
     L.step = *std::max_element(L.finish.begin(), L.finish.end());
     return true;
   }
@@ -883,6 +919,8 @@ class PPBalance {
   }
 
   std::set<std::vector<int64_t>> seen_;  // assignments of the passes so far
+  double best_post_ = -1;
+  double global_left_ = 0;
 };
 
 }  // namespace
