@@ -64,12 +64,14 @@ namespace {
 thread_local PPBalanceWork g_work;  // the calling thread's current / last planPPBalance
 
 // Work bounds of the balance step (4.), counted in operations replayed, never in time, so every
-// rank plans the same batch to the same plan. A layout's balance stops after trial replays worth
-// kBalanceReplays replays of the whole layout (its micro-batches x stages); a layout whose step
-// before balancing is more than kBalanceMargin behind the best plan so far is not balanced (on
-// the benchmark's batches balancing gained 0-6% per layout and the best plans came from layouts
-// already within 1% before it; both bounds left every plan of bench_pp.py and of the GoogleTests'
-// quality checks unchanged, see benchmarks/RESULTS.md).
+// rank plans the same batch to the same plan. A layout's balance stops once its replays of cohorts
+// of several pipelines (rings join them; each trial replays the whole cohort, with 32 pipelines
+// often all of them) have cost kBalanceReplays replays of the whole layout (its micro-batches x
+// stages); ring-free pipelines replay alone, cheaply, and stay bounded by the move count. A layout
+// whose step before balancing is more than kBalanceMargin behind the best plan so far is not
+// balanced (on the benchmark's batches balancing gained 0-6% per layout, and the best plans came
+// from layouts already within 1% of the best before it). Both bounds left every plan of
+// bench_pp.py's planner section and the GoogleTests' quality checks unchanged (RESULTS.md).
 constexpr int64_t kBalanceReplays = 24;
 constexpr double kBalanceMargin = 0.03;
 
@@ -606,6 +608,7 @@ class PPBalance {
     replayPipelineInto(v, w.f.data(), w.b.data(), w.p2p.data(), v.sched.num_mb, w.rep, w.replay, false);
     ++g_work.replays;
     g_work.replayed_ops += v.sched.num_mb * P_;
+    if (n > 1) cohort_ops_ += v.sched.num_mb * P_;
     double mx = 0;
     for (int i = 0; i < n; ++i) {
       L.finish[pipes[i]] = w.rep.pipe_finish[i];
@@ -778,12 +781,12 @@ class PPBalance {
       double delta;
       int32_t give, take;  // the donor's bin, the receiver's bin (-1: a move)
     };
-    // The work bound: trial replays worth kBalanceReplays replays of the whole layout.
+    // The work bound: cohort replays worth kBalanceReplays replays of the whole layout.
     int64_t layout_ops = 0;
     for (int h = 0; h < H_; ++h) layout_ops += static_cast<int64_t>(L.lists[h].size()) * P_;
-    const int64_t budget_end = g_work.replayed_ops + kBalanceReplays * std::max<int64_t>(layout_ops, 1);
+    const int64_t budget_end = cohort_ops_ + kBalanceReplays * std::max<int64_t>(layout_ops, 1);
     for (int move = 0; move < max_moves; ++move) {
-      if (g_work.replayed_ops >= budget_end) return;
+      if (cohort_ops_ >= budget_end) return;
       int donor = 0;
       for (int h = 1; h < H_; ++h)
         if (L.finish[h] > L.finish[donor]) donor = h;
@@ -903,7 +906,8 @@ class PPBalance {
   }
 
   std::set<std::vector<int64_t>> seen_;  // assignments of the passes so far
-  double best_step_ = -1;  // of the best layout so far (pass() reads it)
+  double best_step_ = -1;    // of the best layout so far (pass() reads it)
+  int64_t cohort_ops_ = 0;   // operations replayed in replays of cohorts of several pipelines
 };
 
 }  // namespace
