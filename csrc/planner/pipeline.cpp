@@ -98,6 +98,8 @@ struct Actor {
   double t = 0;            // free from
   bool queued = false;
   bool waiting = false;  // blocked on the neighbouring stage (woken by its completion)
+  bool wait_bwd = false;   // ... of the operation (wait_m, wait_bwd) there
+  int64_t wait_m = -1;
   bool in_ring = false;  // arrived at a ring operation (woken by the ring's completion only)
 };
 
@@ -224,10 +226,11 @@ void replayPipelineInto(const PipelineView& v, const double* fwd, const double* 
     actors[i].queued = true;
     todo.push_back(&actors[i]);
   }
-  auto wake = [&](int h, int p) {
+  // Wakes stage p of pipeline h if it waits for operation (m, is_bwd) of its neighbour.
+  auto wake = [&](int h, int p, int64_t m, bool is_bwd) {
     if (p < 0 || p >= P) return;
     Actor& a = actors[static_cast<size_t>(h) * P + p];
-    if (a.waiting && !a.queued) {
+    if (a.waiting && !a.queued && a.wait_m == m && a.wait_bwd == is_bwd) {
       a.waiting = false;
       a.queued = true;
       todo.push_back(&a);
@@ -247,7 +250,7 @@ void replayPipelineInto(const PipelineView& v, const double* fwd, const double* 
     }
     a.t = en;
     out.stage_busy[static_cast<size_t>(a.h) * P + a.p] += en - st;
-    wake(a.h, is_bwd ? a.p - 1 : a.p + 1);
+    wake(a.h, is_bwd ? a.p - 1 : a.p + 1, m, is_bwd);
   };
   while (!todo.empty()) {
     Actor& a = *todo.back();
@@ -265,11 +268,19 @@ void replayPipelineInto(const PipelineView& v, const double* fwd, const double* 
       double ready = a.t;
       if (!is_bwd && a.p > 0) {
         const double e = out.fwd_end[k - 1];
-        if (e == kNotDone) break;  // waits for the previous stage (woken by its completion)
+        if (e == kNotDone) {  // waits for the previous stage (woken by that forward's completion)
+          a.wait_m = m;
+          a.wait_bwd = false;
+          break;
+        }
         ready = std::max(ready, e + p2p[m]);
       } else if (is_bwd && a.p < P - 1) {
         const double e = out.bwd_end[k + 1];
-        if (e == kNotDone) break;
+        if (e == kNotDone) {
+          a.wait_m = m;
+          a.wait_bwd = true;
+          break;
+        }
         ready = std::max(ready, e + p2p[m]);
       }
       const double dur = is_bwd ? bwd[k] : fwd[k];
