@@ -68,16 +68,16 @@ thread_local PPBalanceWork g_work;  // the calling thread's current / last planP
 // rank plans the same batch to the same plan. A layout's balance stops once its replays of cohorts
 // of several pipelines (rings join them; each trial replays the whole cohort, with 32 pipelines
 // often all of them) have cost kBalanceReplays replays of the whole layout (its micro-batches x
-// stages), or kBalanceFloorOps operations where that is more; ring-free pipelines replay alone,
-// cheaply, and stay bounded by the move count. Where the replay budget exceeds the floor (a large
-// layout: above ~2K micro-batches x stages, e.g. 260 micro-batches on 8 stages), a layout whose
-// step before balancing is more than kBalanceMargin behind the best plan so far is not balanced.
-// Smaller instances (the tests' and examples' sizes) are balanced as before the bounds: on the
-// GoogleTests' and bench_pp.py's mixed batches (up to 120 sequences) every plan is unchanged;
-// balancing there can gain more than 3% per layout, so the margin would cost them. On the
-// benchmark's batches (700-1,100 sequences, 32 pipelines) the bounds leave every plan unchanged
-// (benchmarks/RESULTS.md).
-constexpr int64_t kBalanceReplays = 24;
+// stages), or kBalanceFloorOps operations where that is more (checked before every trial);
+// ring-free pipelines replay alone, cheaply, and stay bounded by the move count. Where the replay
+// budget exceeds the floor (a large layout: above ~3K micro-batches x stages, e.g. 400
+// micro-batches on 8 stages), a layout whose step before balancing is more than kBalanceMargin
+// behind the best plan so far is not balanced. Smaller instances (the tests' and examples' sizes)
+// are balanced as before the bounds: on the GoogleTests' and bench_pp.py's mixed batches (up to
+// 120 sequences) every plan is unchanged; balancing there can gain more than 3% per layout, so
+// the margin would cost them. On the benchmark's batches (700-1,100 sequences, 32 pipelines) the
+// bounds leave every plan unchanged (benchmarks/RESULTS.md).
+constexpr int64_t kBalanceReplays = 16;
 constexpr int64_t kBalanceFloorOps = 50000;
 constexpr double kBalanceMargin = 0.03;
 
@@ -829,6 +829,7 @@ class PPBalance {
         }
         const std::vector<int32_t> db0 = L.bins_of[donor], tb0 = L.bins_of[to];
         for (const Change& ch : changes) {
+          if (cohort_ops_ >= budget_end) break;
           auto& db = L.bins_of[donor];
           auto& tb = L.bins_of[to];
           db.erase(std::find(db.begin(), db.end(), ch.give));
