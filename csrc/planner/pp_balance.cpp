@@ -741,7 +741,7 @@ class PPBalance {
     }
     double best = -1;
     size_t arg = 0, last = 0;
-        const bool prune = std::isfinite(threshold) && pipes.size() > 1;
+    const bool prune = std::isfinite(threshold) && pipes.size() > 1;
     for (size_t c = 0; c < cands.size(); ++c) {
       if (c > 0 && cands[c].pre == cands[c - 1].pre && cands[c].tail == cands[c - 1].tail) continue;
       for (int h : pipes) orderPipeline(L, h, cands[c].pre, cands[c].tail);
