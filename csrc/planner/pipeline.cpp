@@ -98,6 +98,8 @@ struct Actor {
   double t = 0;            // free from
   bool queued = false;
   bool waiting = false;  // blocked on the neighbouring stage (woken by its completion)
+  bool wait_bwd = false;   // ... of the operation (wait_m, wait_bwd) there
+  int64_t wait_m = -1;
   bool in_ring = false;  // arrived at a ring operation (woken by the ring's completion only)
 };
 
@@ -138,21 +140,46 @@ std::vector<int64_t> oneFOneB(int64_t slots, int stages, int stage) {
   return out;
 }
 
+struct ReplayScratch::Buffers {
+  std::vector<int> rank_of;
+  std::vector<Actor> actors;
+  std::vector<int32_t> arrived;
+  std::vector<double> tmax, dmax;
+  std::vector<int64_t> head, nxt;
+  std::vector<Actor*> todo;
+};
+
+ReplayScratch::ReplayScratch() : buf(new Buffers) {}
+ReplayScratch::~ReplayScratch() = default;
+
 PipelineReplay replayPipeline(const PipelineView& v, const double* fwd, const double* bwd,
                               const double* p2p, int64_t num_durations) {
-  validate(v);
+  PipelineReplay out;
+  ReplayScratch scratch;
+  replayPipelineInto(v, fwd, bwd, p2p, num_durations, out, scratch, true);
+  return out;
+}
+
+void replayPipelineInto(const PipelineView& v, const double* fwd, const double* bwd, const double* p2p,
+                        int64_t num_durations, PipelineReplay& out, ReplayScratch& scratch, bool checked) {
+  ReplayScratch::Buffers& ws = *scratch.buf;
   const ScheduleView& s = v.sched;
   const int H = s.world_size, P = v.stages;
   const int64_t M = s.num_mb, R = s.num_rings;
-  if (num_durations != M) bad("got durations for " + num(num_durations) + " micro-batches, the schedule has " + num(M));
-  for (int64_t k = 0; k < M * P; ++k)
-    if (!(fwd[k] >= 0) || !std::isfinite(fwd[k]) || !(bwd[k] >= 0) || !std::isfinite(bwd[k]))
-      bad("micro-batch " + num(k / P) + " at stage " + num(k % P) + " has duration fwd " +
-          std::to_string(fwd[k]) + " / bwd " + std::to_string(bwd[k]) + " (must be finite and >= 0)");
-  for (int64_t m = 0; m < M; ++m)
-    if (!(p2p[m] >= 0) || !std::isfinite(p2p[m]))
-      bad("micro-batch " + num(m) + " has transfer time " + std::to_string(p2p[m]));
-  PipelineReplay out;
+  if (checked) {
+    validate(v);
+    if (num_durations != M)
+      bad("got durations for " + num(num_durations) + " micro-batches, the schedule has " + num(M));
+    for (int64_t k = 0; k < M * P; ++k)
+      if (!(fwd[k] >= 0) || !std::isfinite(fwd[k]) || !(bwd[k] >= 0) || !std::isfinite(bwd[k]))
+        bad("micro-batch " + num(k / P) + " at stage " + num(k % P) + " has duration fwd " +
+            std::to_string(fwd[k]) + " / bwd " + std::to_string(bwd[k]) + " (must be finite and >= 0)");
+    for (int64_t m = 0; m < M; ++m)
+      if (!(p2p[m] >= 0) || !std::isfinite(p2p[m]))
+        bad("micro-batch " + num(m) + " has transfer time " + std::to_string(p2p[m]));
+  } else if (num_durations != M) {
+    bad("got durations for " + num(num_durations) + " micro-batches, the schedule has " + num(M));
+  }
   out.pipelines = H;
   out.stages = P;
   out.fwd_start.assign(M * P, 0.0);
@@ -161,10 +188,12 @@ PipelineReplay replayPipeline(const PipelineView& v, const double* fwd, const do
   out.bwd_end.assign(M * P, kNotDone);
   out.pipe_finish.assign(H, 0.0);
   out.stage_busy.assign(static_cast<size_t>(H) * P, 0.0);
-  std::vector<int> rank_of(M);
+  std::vector<int>& rank_of = ws.rank_of;
+  rank_of.resize(M);
   for (int h = 0; h < H; ++h)
     for (int64_t m = s.rank_mb[h]; m < s.rank_mb[h + 1]; ++m) rank_of[m] = h;
-  std::vector<Actor> actors(static_cast<size_t>(H) * P);
+  std::vector<Actor>& actors = ws.actors;
+  actors.assign(static_cast<size_t>(H) * P, Actor());
   for (int h = 0; h < H; ++h) {
     const int64_t n = s.rank_mb[h + 1] - s.rank_mb[h];
     const int64_t S = n ? v.mb_slot[s.rank_mb[h + 1] - 1] + 1 : 0;
@@ -180,19 +209,28 @@ PipelineReplay replayPipeline(const PipelineView& v, const double* fwd, const do
   // Ring synchronisation per (ring, stage, direction): arrivals, the latest ready time, the
   // largest duration and the arrived micro-batches (linked through `nxt`, per direction/stage).
   const size_t K = static_cast<size_t>(R) * P * 2;
-  std::vector<int32_t> arrived(K, 0);
-  std::vector<double> tmax(K, 0.0), dmax(K, 0.0);
-  std::vector<int64_t> head(K, -1), nxt(static_cast<size_t>(M) * P * 2, -1);
-  std::vector<Actor*> todo;
+  std::vector<int32_t>& arrived = ws.arrived;
+  std::vector<double>& tmax = ws.tmax;
+  std::vector<double>& dmax = ws.dmax;
+  std::vector<int64_t>& head = ws.head;
+  std::vector<int64_t>& nxt = ws.nxt;
+  arrived.assign(K, 0);
+  tmax.assign(K, 0.0);
+  dmax.assign(K, 0.0);
+  head.assign(K, -1);
+  nxt.resize(static_cast<size_t>(M) * P * 2);  // written when an operation arrives at its ring
+  std::vector<Actor*>& todo = ws.todo;
+  todo.clear();
   todo.reserve(actors.size());
   for (size_t i = actors.size(); i-- > 0;) {
     actors[i].queued = true;
     todo.push_back(&actors[i]);
   }
-  auto wake = [&](int h, int p) {
+  // Wakes stage p of pipeline h if it waits for operation (m, is_bwd) of its neighbour.
+  auto wake = [&](int h, int p, int64_t m, bool is_bwd) {
     if (p < 0 || p >= P) return;
     Actor& a = actors[static_cast<size_t>(h) * P + p];
-    if (a.waiting && !a.queued) {
+    if (a.waiting && !a.queued && a.wait_m == m && a.wait_bwd == is_bwd) {
       a.waiting = false;
       a.queued = true;
       todo.push_back(&a);
@@ -212,7 +250,7 @@ PipelineReplay replayPipeline(const PipelineView& v, const double* fwd, const do
     }
     a.t = en;
     out.stage_busy[static_cast<size_t>(a.h) * P + a.p] += en - st;
-    wake(a.h, is_bwd ? a.p - 1 : a.p + 1);
+    wake(a.h, is_bwd ? a.p - 1 : a.p + 1, m, is_bwd);
   };
   while (!todo.empty()) {
     Actor& a = *todo.back();
@@ -230,11 +268,19 @@ PipelineReplay replayPipeline(const PipelineView& v, const double* fwd, const do
       double ready = a.t;
       if (!is_bwd && a.p > 0) {
         const double e = out.fwd_end[k - 1];
-        if (e == kNotDone) break;  // waits for the previous stage (woken by its completion)
+        if (e == kNotDone) {  // waits for the previous stage (woken by that forward's completion)
+          a.wait_m = m;
+          a.wait_bwd = false;
+          break;
+        }
         ready = std::max(ready, e + p2p[m]);
       } else if (is_bwd && a.p < P - 1) {
         const double e = out.bwd_end[k + 1];
-        if (e == kNotDone) break;
+        if (e == kNotDone) {
+          a.wait_m = m;
+          a.wait_bwd = true;
+          break;
+        }
         ready = std::max(ready, e + p2p[m]);
       }
       const double dur = is_bwd ? bwd[k] : fwd[k];
@@ -307,7 +353,6 @@ PipelineReplay replayPipeline(const PipelineView& v, const double* fwd, const do
   }
   out.step_time = step;
   out.bubble = step > 0 ? std::max(0.0, 1.0 - busy / (static_cast<double>(H) * P * step)) : 0.0;
-  return out;
 }
 
 PipelineReplay replayPipeline(const Plan& p) {

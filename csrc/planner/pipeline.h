@@ -29,6 +29,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "planner/bound.h"
@@ -67,6 +68,20 @@ struct PipelineReplay {
 // deadlock (impossible for well-formed input, see the file comment; reported, never a hang).
 PipelineReplay replayPipeline(const PipelineView& v, const double* fwd, const double* bwd,
                               const double* p2p, int64_t num_durations);
+// The same replay into `out`, reusing `scratch`'s buffers and `out`'s between calls (a planner
+// replays thousands of candidate schedules per step). checked = false skips the validation of the
+// arrays and durations: only for schedules the caller built well-formed itself (a deadlock is
+// still reported). Results are identical to replayPipeline's.
+struct ReplayScratch {
+  ReplayScratch();
+  ~ReplayScratch();
+  ReplayScratch(const ReplayScratch&) = delete;
+  ReplayScratch& operator=(const ReplayScratch&) = delete;
+  struct Buffers;
+  std::unique_ptr<Buffers> buf;
+};
+void replayPipelineInto(const PipelineView& v, const double* fwd, const double* bwd, const double* p2p,
+                        int64_t num_durations, PipelineReplay& out, ReplayScratch& scratch, bool checked = true);
 // A pipelined plan with its own predictions: at every stage fwd = pp_fwd_share x mb_cost, bwd = the
 // rest, p2p = mb_p2p.
 PipelineReplay replayPipeline(const Plan& plan);
@@ -114,6 +129,17 @@ void verifyPipeline(const Plan& p, const PlanOptions& opt);
 
 // Strategies (pp_balance.cpp): PP-Balance and Megatron's lockstep slots.
 Plan planPPBalance(const Context& ctx, const BoundParts& flat_bound);
+
+// The work of the calling thread's last planPPBalance (tests bound it; deterministic counts, not
+// times): candidate layouts built (passes), those skipped as identical to an earlier one, pipeline
+// replays run and their operations (micro-batches x stages summed over the replays), moves tried
+// and kept by the balance step, and the one-pipeline replays that bound a move's step (bounds,
+// bound_ops: micro-batches x stages) to skip the cohort's replay.
+struct PPBalanceWork {
+  int64_t passes = 0, passes_skipped = 0, replays = 0, replayed_ops = 0, trials = 0, moves = 0;
+  int64_t bounds = 0, bound_ops = 0;
+};
+PPBalanceWork ppBalanceWork();
 Plan planPPLockstep(const Context& ctx, const BoundParts& flat_bound);
 }  // namespace detail
 

@@ -21,14 +21,18 @@
 //      cost; the cheapest locals first (ascending), the rings, then the rest decreasing; for
 //      pipelines without rings also ascending and the organ-pipe order (cheap ends, costly middle);
 //   4. balance: while it shortens the later of the two, a local micro-batch moves from the
-//      pipeline that ends last to one that ends first (re-ordered, replayed).
+//      pipeline that ends last to one that ends first (re-ordered, replayed), within a work bound
+//      (kBalanceReplays below: bounded, deterministic work; a trial order whose moved-to or
+//      moved-from pipeline alone, its rings as if local, already ends too late is not replayed:
+//      waiting for ring partners only delays).
 // The horizon is the pipelined lower bound times a few factors; each factor, each micro-batch size
 // (capacity-sized bins, and bins of capacity / 2, / 4, / 8: a smaller bubble, (P-1) x the costliest
 // micro-batch, against more per-micro-batch overhead), runs or greedy assignment, and ring widths
 // (the fewest units within the horizon, or at least as many as keep a ring no costlier than a bin,
 // so no ring magnifies its pipelines' bubble) gives a complete plan; the shortest replayed step
-// wins. Safety nets: lockstep slots here, DP-Balance per pipeline in makePlan (strategies.cpp),
-// each kept (and named) when it replays shorter.
+// wins; a layout equal to an earlier one (another horizon often changes no ring and no bin) is not
+// ordered and balanced again. Safety nets: lockstep slots here, DP-Balance per pipeline in
+// makePlan (strategies.cpp), each kept (and named) when it replays shorter.
 //
 // pp-lockstep (Megatron-LM's dynamic CP with PP, its development branch): every pipeline runs the
 // same slots. Rings (memory minimum of units, any integer, as naive) and capacity-sized local
@@ -40,8 +44,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <numeric>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -55,6 +61,25 @@ namespace planner {
 namespace detail {
 
 namespace {
+
+thread_local PPBalanceWork g_work;  // the calling thread's current / last planPPBalance
+
+// Work bounds of the balance step (4.), counted in operations replayed, never in time, so every
+// rank plans the same batch to the same plan. A layout's balance stops once its replays of cohorts
+// of several pipelines (rings join them; each trial replays the whole cohort, with 32 pipelines
+// often all of them) have cost kBalanceReplays replays of the whole layout (its micro-batches x
+// stages), or kBalanceFloorOps operations where that is more (checked before every trial);
+// ring-free pipelines replay alone, cheaply, and stay bounded by the move count. Where the replay
+// budget exceeds the floor (a large layout: above ~3K micro-batches x stages, e.g. 400
+// micro-batches on 8 stages), a layout whose step before balancing is more than kBalanceMargin
+// behind the best plan so far is not balanced. Smaller instances (the tests' and examples' sizes)
+// are balanced as before the bounds: on the GoogleTests' and bench_pp.py's mixed batches (up to
+// 120 sequences) every plan is unchanged; balancing there can gain more than 3% per layout, so
+// the margin would cost them. On the benchmark's batches (700-1,100 sequences, 32 pipelines) the
+// bounds leave every plan unchanged (benchmarks/RESULTS.md).
+constexpr int64_t kBalanceReplays = 16;
+constexpr int64_t kBalanceFloorOps = 50000;
+constexpr double kBalanceMargin = 0.03;
 
 struct RingItem {
   int64_t seq = 0;
@@ -279,13 +304,14 @@ class PPBalance {
         for (int mode = 0; mode < 4; ++mode) {
           const bool runs = mode % 2 == 0, uniform = mode >= 2;
           if (uniform && !any_ring) continue;
-          pass(T, runs, caps[ci], uniform, cur);
+          if (!pass(T, runs, caps[ci], uniform, cur)) continue;
 #ifdef PPB_DEBUG
           dump(runs ? "runs" : "lpt", T, cur);
 #endif
           if (!have || cur.step < best.step * (1 - 1e-12)) {
             std::swap(best, cur);
             have = true;
+            best_step_ = best.step;
           }
         }
         // halving the bins again only helps while the last halving did
@@ -516,28 +542,38 @@ class PPBalance {
 
   // Replays pipelines `pipes` (every member of their rings among them) of layout L; writes
   // L.finish for them and returns their latest finish.
-  double evaluate(Layout& L, const std::vector<int>& pipes) const {
-    std::vector<int> local(H_, -1);
-    for (size_t i = 0; i < pipes.size(); ++i) local[pipes[i]] = static_cast<int>(i);
+  double evaluate(Layout& L, const std::vector<int>& pipes) {
+    Scratch& w = scratch_;
+    w.local.assign(H_, -1);
+    for (size_t i = 0; i < pipes.size(); ++i) w.local[pipes[i]] = static_cast<int>(i);
     const int n = static_cast<int>(pipes.size());
-    std::vector<int64_t> rank_mb{0}, mb_ring, mb_slot, ring_grp{0};
-    std::vector<int32_t> grp;
-    std::vector<double> f, b, p2p;
-    std::map<int32_t, int64_t> ring_id;
+    // the cohort's rings, numbered in increasing ring index
+    w.ring_id.assign(L.rings.size(), -1);
+    w.ring_by_id.clear();
     for (int h : pipes)
       for (const Entry& e : L.lists[h])
-        if (e.ring >= 0 && !ring_id.count(e.ring)) {
-          ring_id.emplace(e.ring, static_cast<int64_t>(ring_id.size()));
+        if (e.ring >= 0 && w.ring_id[e.ring] < 0) {
+          w.ring_id[e.ring] = 0;
+          w.ring_by_id.push_back(e.ring);
         }
-    std::vector<int32_t> ring_by_id(ring_id.size());
-    for (auto& [r, id] : ring_id) ring_by_id[id] = r;
-    for (int32_t r : ring_by_id) {
+    std::sort(w.ring_by_id.begin(), w.ring_by_id.end());
+    w.ring_grp.assign(1, 0);
+    w.grp.clear();
+    for (size_t id = 0; id < w.ring_by_id.size(); ++id) {
+      const int32_t r = w.ring_by_id[id];
+      w.ring_id[r] = static_cast<int64_t>(id);
       for (int m : L.rings[r].members) {
-        if (local[m] < 0) throw std::logic_error("pp-balance: a cohort's ring has a member outside it");
-        grp.push_back(local[m]);
+        if (w.local[m] < 0) throw std::logic_error("pp-balance: a cohort's ring has a member outside it");
+        w.grp.push_back(w.local[m]);
       }
-      ring_grp.push_back(static_cast<int64_t>(grp.size()));
+      w.ring_grp.push_back(static_cast<int64_t>(w.grp.size()));
     }
+    w.rank_mb.assign(1, 0);
+    w.mb_ring.clear();
+    w.mb_slot.clear();
+    w.f.clear();
+    w.b.clear();
+    w.p2p.clear();
     for (int h : pipes) {
       for (const Entry& e : L.lists[h]) {
         double c, tokens;
@@ -546,40 +582,57 @@ class PPBalance {
           const int pos = static_cast<int>(std::lower_bound(r.members.begin(), r.members.end(), h) - r.members.begin());
           c = r.cost;
           tokens = static_cast<double>(zigzag::local_tokens(ctx_.len[r.seq], r.d, pos));
-          mb_ring.push_back(ring_id[e.ring]);
+          w.mb_ring.push_back(w.ring_id[e.ring]);
         } else {
           c = L.bins[e.bin].cost;
           tokens = static_cast<double>(L.bins[e.bin].tokens);
-          mb_ring.push_back(-1);
+          w.mb_ring.push_back(-1);
         }
-        mb_slot.push_back(e.slot);
-        p2p.push_back(P_ > 1 ? po_.p2pTime(tokens) : 0.0);
+        w.mb_slot.push_back(e.slot);
+        w.p2p.push_back(P_ > 1 ? po_.p2pTime(tokens) : 0.0);
+        const double fc = po_.fwd_share * c, bc = c - po_.fwd_share * c;
         for (int q = 0; q < P_; ++q) {
-          f.push_back(po_.fwd_share * c);
-          b.push_back(c - po_.fwd_share * c);
+          w.f.push_back(fc);
+          w.b.push_back(bc);
         }
       }
-      rank_mb.push_back(static_cast<int64_t>(mb_ring.size()));
+      w.rank_mb.push_back(static_cast<int64_t>(w.mb_ring.size()));
     }
     PipelineView v;
     v.sched.world_size = n;
-    v.sched.rank_mb = rank_mb.data();
-    v.sched.num_mb = static_cast<int64_t>(mb_ring.size());
-    v.sched.mb_ring = mb_ring.data();
-    v.sched.num_rings = static_cast<int64_t>(ring_by_id.size());
-    v.sched.ring_grp = ring_grp.data();
-    v.sched.grp_ranks = grp.data();
-    v.sched.num_grp_ranks = static_cast<int64_t>(grp.size());
+    v.sched.rank_mb = w.rank_mb.data();
+    v.sched.num_mb = static_cast<int64_t>(w.mb_ring.size());
+    v.sched.mb_ring = w.mb_ring.data();
+    v.sched.num_rings = static_cast<int64_t>(w.ring_by_id.size());
+    v.sched.ring_grp = w.ring_grp.data();
+    v.sched.grp_ranks = w.grp.data();
+    v.sched.num_grp_ranks = static_cast<int64_t>(w.grp.size());
     v.stages = P_;
-    v.mb_slot = mb_slot.data();
-    const PipelineReplay rep = replayPipeline(v, f.data(), b.data(), p2p.data(), v.sched.num_mb);
+    v.mb_slot = w.mb_slot.data();
+    // the layouts are well-formed by construction (the plan built from the winner is replayed
+    // with every check in finishPipeline and Plan::verify)
+    replayPipelineInto(v, w.f.data(), w.b.data(), w.p2p.data(), v.sched.num_mb, w.rep, w.replay, false);
+    ++g_work.replays;
+    g_work.replayed_ops += v.sched.num_mb * P_;
+    if (n > 1) cohort_ops_ += v.sched.num_mb * P_;
     double mx = 0;
     for (int i = 0; i < n; ++i) {
-      L.finish[pipes[i]] = rep.pipe_finish[i];
-      mx = std::max(mx, rep.pipe_finish[i]);
+      L.finish[pipes[i]] = w.rep.pipe_finish[i];
+      mx = std::max(mx, w.rep.pipe_finish[i]);
     }
     return mx;
   }
+
+  // Buffers of evaluate, reused between replays.
+  struct Scratch {
+    std::vector<int> local;
+    std::vector<int64_t> ring_id, rank_mb, mb_ring, mb_slot, ring_grp;
+    std::vector<int32_t> ring_by_id, grp;
+    std::vector<double> f, b, p2p;
+    PipelineReplay rep;
+    ReplayScratch replay;
+  };
+  Scratch scratch_;
 
   // The cohort (pipelines joined by rings) of every pipeline: component ids and member lists.
   void cohorts(const Layout& L, std::vector<int>& comp, std::vector<std::vector<int>>& members) const {
@@ -608,8 +661,64 @@ class PPBalance {
     }
   }
 
+  // Pipeline h's step on its own: its rings as if local (their partners never late). Every
+  // operation of the cohort's replay starts no earlier (waiting only delays), so it is a lower
+  // bound of h's finish there.
+  double alone(const Layout& L, int h) {
+    Scratch& w = scratch_;
+    w.rank_mb.assign(1, 0);
+    w.mb_ring.clear();
+    w.mb_slot.clear();
+    w.f.clear();
+    w.b.clear();
+    w.p2p.clear();
+    for (const Entry& e : L.lists[h]) {
+      double c, tokens;
+      if (e.ring >= 0) {
+        const RingItem& r = L.rings[e.ring];
+        const int pos = static_cast<int>(std::lower_bound(r.members.begin(), r.members.end(), h) - r.members.begin());
+        c = r.cost;
+        tokens = static_cast<double>(zigzag::local_tokens(ctx_.len[r.seq], r.d, pos));
+      } else {
+        c = L.bins[e.bin].cost;
+        tokens = static_cast<double>(L.bins[e.bin].tokens);
+      }
+      w.mb_ring.push_back(-1);
+      w.mb_slot.push_back(e.slot);
+      w.p2p.push_back(P_ > 1 ? po_.p2pTime(tokens) : 0.0);
+      const double fc = po_.fwd_share * c, bc = c - po_.fwd_share * c;
+      for (int q = 0; q < P_; ++q) {
+        w.f.push_back(fc);
+        w.b.push_back(bc);
+      }
+    }
+    w.rank_mb.push_back(static_cast<int64_t>(w.mb_ring.size()));
+    w.ring_grp.assign(1, 0);
+    PipelineView v;
+    v.sched.world_size = 1;
+    v.sched.rank_mb = w.rank_mb.data();
+    v.sched.num_mb = static_cast<int64_t>(w.mb_ring.size());
+    v.sched.mb_ring = w.mb_ring.data();
+    v.sched.num_rings = 0;
+    v.sched.ring_grp = w.ring_grp.data();
+    v.sched.grp_ranks = w.grp.data();
+    v.sched.num_grp_ranks = 0;
+    v.stages = P_;
+    v.mb_slot = w.mb_slot.data();
+    replayPipelineInto(v, w.f.data(), w.b.data(), w.p2p.data(), v.sched.num_mb, w.rep, w.replay, false);
+    ++g_work.bounds;
+    g_work.bound_ops += v.sched.num_mb * P_;
+    return w.rep.step_time;
+  }
+
   // Orders one cohort (or one ring-free pipeline) by the best candidate; returns its latest finish.
-  double orderCohort(Layout& L, const std::vector<int>& pipes) const {
+  // With a threshold (a trial move of the balance step, `changed` its pipelines in this cohort),
+  // a candidate order whose changed pipelines alone already end at or after it is not replayed
+  // (its step could not be below the threshold); when no candidate is replayed, returns +inf with
+  // L's lists and finish times of `pipes` left for the caller to restore.
+  double orderCohort(Layout& L, const std::vector<int>& pipes,
+                     double threshold = std::numeric_limits<double>::infinity(),
+                     const std::vector<int>& changed = {}) {
     bool rings = false;
     int64_t half = -1;
     for (int h : pipes) {
@@ -631,32 +740,57 @@ class PPBalance {
       cands = {{0, 2}, {0, 0}, {0, 1}};
     }
     double best = -1;
-    size_t arg = 0;
+    size_t arg = 0, last = 0;
+    const bool prune = std::isfinite(threshold) && pipes.size() > 1;
     for (size_t c = 0; c < cands.size(); ++c) {
       if (c > 0 && cands[c].pre == cands[c - 1].pre && cands[c].tail == cands[c - 1].tail) continue;
       for (int h : pipes) orderPipeline(L, h, cands[c].pre, cands[c].tail);
+      last = c;  // the order L holds
+      if (prune) {
+        bool hopeless = false;
+        for (int h : changed) hopeless = hopeless || alone(L, h) >= threshold;
+        if (hopeless) continue;
+      }
       const double t = evaluate(L, pipes);
       if (best < 0 || t < best * (1 - 1e-12)) {
         best = t;
         arg = c;
+        if (c + 1 < cands.size()) {  // kept for the end (no second replay of the winner)
+          best_lists_.resize(pipes.size());
+          best_finish_.resize(pipes.size());
+          for (size_t i = 0; i < pipes.size(); ++i) {
+            best_lists_[i] = L.lists[pipes[i]];
+            best_finish_[i] = L.finish[pipes[i]];
+          }
+        }
       }
     }
-    for (int h : pipes) orderPipeline(L, h, cands[arg].pre, cands[arg].tail);
-    return evaluate(L, pipes);
+    if (best < 0) return std::numeric_limits<double>::infinity();
+    if (arg != last)
+      for (size_t i = 0; i < pipes.size(); ++i) {
+        L.lists[pipes[i]].swap(best_lists_[i]);
+        L.finish[pipes[i]] = best_finish_[i];
+      }
+    return best;
   }
+  std::vector<std::vector<Entry>> best_lists_;  // orderCohort's scratch
+  std::vector<double> best_finish_;
 
   // ---- 4. balance ---------------------------------------------------------------------------------
   // Moves a local micro-batch from the pipeline that ends last to one of the pipelines ending first,
   // or swaps one for a cheaper one of theirs, while that shortens the later of the two (cohorts
   // re-ordered and replayed).
-  void balance(Layout& L, const std::vector<int>& comp, const std::vector<std::vector<int>>& members) const {
+  void balance(Layout& L, const std::vector<int>& comp, const std::vector<std::vector<int>>& members) {
     const int max_moves = 4 * H_ + 16;
     std::vector<int> pipes;
     struct Change {
       double delta;
       int32_t give, take;  // the donor's bin, the receiver's bin (-1: a move)
     };
+    // The work bound (kBalanceReplays): cohort replays worth that many replays of the layout.
+    const int64_t budget_end = cohort_ops_ + std::max(kBalanceReplays * layoutOps(L), kBalanceFloorOps);
     for (int move = 0; move < max_moves; ++move) {
+      if (cohort_ops_ >= budget_end) return;
       int donor = 0;
       for (int h = 1; h < H_; ++h)
         if (L.finish[h] > L.finish[donor]) donor = h;
@@ -695,6 +829,7 @@ class PPBalance {
         }
         const std::vector<int32_t> db0 = L.bins_of[donor], tb0 = L.bins_of[to];
         for (const Change& ch : changes) {
+          if (cohort_ops_ >= budget_end) break;
           auto& db = L.bins_of[donor];
           auto& tb = L.bins_of[to];
           db.erase(std::find(db.begin(), db.end(), ch.give));
@@ -703,9 +838,17 @@ class PPBalance {
             tb.erase(std::find(tb.begin(), tb.end(), ch.take));
             db.push_back(ch.take);
           }
-          double after = orderCohort(L, members[comp[donor]]);
-          if (comp[to] != comp[donor]) after = std::max(after, orderCohort(L, members[comp[to]]));
-          if (after < before * (1 - 1e-9)) {
+          ++g_work.trials;
+          const double threshold = before * (1 - 1e-9);
+          double after;
+          if (comp[to] == comp[donor]) {
+            after = orderCohort(L, members[comp[donor]], threshold, {donor, to});
+          } else {
+            after = orderCohort(L, members[comp[donor]], threshold, {donor});
+            if (after < threshold) after = std::max(after, orderCohort(L, members[comp[to]], threshold, {to}));
+          }
+          if (after < threshold) {
+            ++g_work.moves;
             improved = true;
             break;
           }
@@ -721,31 +864,74 @@ class PPBalance {
     }
   }
 
-  // One complete layout for horizon T.
-  void pass(double T, bool runs, int64_t bin_cap, bool uniform_rings, Layout& L) const {
+  // One complete layout for horizon T. Returns false (L unfinished) when its assignment (rings,
+  // members, bins and their pipelines) equals an earlier pass's: ordering and balancing are a
+  // function of the assignment, so that pass's result is this one's and is already a candidate.
+  bool pass(double T, bool runs, int64_t bin_cap, bool uniform_rings, Layout& L) {
+    ++g_work.passes;
     std::vector<int64_t> locals;
     split(T, uniform_rings ? cm_.seqTime(static_cast<double>(std::min(bin_cap, ctx_.cap_min))) : 0.0, L, locals);
     std::vector<double> load(H_, 0.0), cmax(H_, 0.0);
     placeRings(L, load, cmax);
     packBins(ctx_, locals, L, bin_cap);
     assignBins(L, load, cmax, T, runs);
+    if (!firstSeen(L)) {
+      ++g_work.passes_skipped;
+      return false;
+    }
     L.lists.assign(H_, {});
     L.finish.assign(H_, 0.0);
     std::vector<int> comp;
     std::vector<std::vector<int>> members;
     cohorts(L, comp, members);
     for (const auto& c : members) orderCohort(L, c);
-    balance(L, comp, members);
+    const double pre = *std::max_element(L.finish.begin(), L.finish.end());
+    const bool large = kBalanceReplays * layoutOps(L) > kBalanceFloorOps;
+    if (!(large && best_step_ > 0 && pre > best_step_ * (1 + kBalanceMargin))) balance(L, comp, members);
     L.step = *std::max_element(L.finish.begin(), L.finish.end());
+    return true;
   }
+
+  // Operations of one replay of the whole layout: micro-batches (a ring once per member) x stages.
+  int64_t layoutOps(const Layout& L) const {
+    int64_t n = 0;
+    for (int h = 0; h < H_; ++h) n += static_cast<int64_t>(L.lists[h].size());
+    return n * P_;
+  }
+
+  // Records the assignment of L; false when an earlier pass had the same one.
+  bool firstSeen(const Layout& L) {
+    std::vector<int64_t> key;
+    for (const RingItem& r : L.rings) {
+      key.insert(key.end(), {r.seq, r.d, r.slot});
+      key.insert(key.end(), r.members.begin(), r.members.end());
+    }
+    key.push_back(-1);
+    for (int h = 0; h < H_; ++h) {
+      for (int32_t k : L.bins_of[h]) {
+        const Bin& b = L.bins[k];
+        key.insert(key.end(), L.seqs.begin() + b.off, L.seqs.begin() + b.end);
+        key.push_back(-2);
+      }
+      key.push_back(-3);
+    }
+    return seen_.insert(std::move(key)).second;
+  }
+
+  std::set<std::vector<int64_t>> seen_;  // assignments of the passes so far
+  double best_step_ = -1;    // of the best layout so far (pass() reads it)
+  int64_t cohort_ops_ = 0;   // operations replayed in replays of cohorts of several pipelines
 };
 
 }  // namespace
 
 Plan planPPBalance(const Context& ctx, const BoundParts& flat_bound) {
   requireUniform(ctx);
+  g_work = PPBalanceWork();
   return PPBalance(ctx, flat_bound).run();
 }
+
+PPBalanceWork ppBalanceWork() { return g_work; }
 
 Plan planPPLockstep(const Context& ctx, const BoundParts& flat_bound) {
   requireUniform(ctx);
