@@ -8,6 +8,11 @@ pipelines, run ``--rounds`` times alternately so that load on the machine hits t
 
     python benchmarks/bench_pp_runtime.py --steps 8 --rounds 2 --json pp_runtime.json
 
+``--calibrate`` runs them again with a cost model of this machine's trainer instead of the default
+(GPU-shaped) one: a1, b1 and the fixed cost g per micro-batch fitted on packed micro-batches of the
+run's documents through the trainer's code path (``benchmarks/sim_trainer_profile.local_profile``,
+the whole model as one layer), halved for one of the two stages except g (each stage pays it).
+
 Reported per plan: the median step time over the measured steps (the first two are warm-up),
 tokens/s, the MEASURED bubble (1 - the ranks' mean time inside their forward / backward operations
 over the step; receives and waits for transfers excluded, PipelineExecutor's ``compute_s``), the
@@ -16,7 +21,6 @@ from the same weights: equal to float tolerance) and the load average during the
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import statistics
@@ -25,28 +29,28 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tp import _run  # noqa: E402  (one launcher for the measured CPU benchmarks)
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the tree's bytescale (calibration)
+from bench_tp import _run, run_arguments  # noqa: E402  (one launcher for the measured CPU benchmarks)
 
 PLANS = ("pp-balance", "pp-lockstep", "naive")
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="synthetic:byted")
-    ap.add_argument("--model", default="small")
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--capacity", type=int, default=2048, help="tokens per micro-batch per unit of a stage")
-    ap.add_argument("--tokens-per-batch", type=int, default=16384)
-    ap.add_argument("--scale", type=float, default=1 / 256)
-    ap.add_argument("--json")
+    ap = run_arguments(__doc__, "tokens per micro-batch per unit of a stage")
     ap.add_argument("--png", help="bar chart of step time and bubbles per plan")
+    ap.add_argument("--calibrate", action="store_true", help="also plan with this machine's trainer cost model")
     args = ap.parse_args(argv)
-    runs = {k: [] for k in PLANS}
+    variants = {name: ["--pp", "2", "--strategy", name] for name in PLANS}
     with tempfile.TemporaryDirectory() as d:
+        if args.calibrate:
+            cost = _trainer_cost(args, Path(d))
+            print(f"trainer cost model (one stage): {cost}")
+            variants.update({f"{name}+cal": v + ["--cost-profile", str(Path(d) / "cost.json")]
+                             for name, v in list(variants.items())})
+        runs = {k: [] for k in variants}
         for r in range(args.rounds):
-            for name in PLANS:
-                runs[name].append(_run(Path(d), f"{name}-{r}", args, ["--pp", "2", "--strategy", name]))
+            for name, extra in variants.items():
+                runs[name].append(_run(Path(d), f"{name}-{r}", args, extra))
     out = {}
     for name, rs in runs.items():
         rows = [row for run in rs for row in run["rows"][2:]]
@@ -60,15 +64,34 @@ def main(argv=None) -> None:
                      "last_loss": rs[0]["rows"][-1]["loss"], "load": statistics.mean(run["load"] for run in rs),
                      "steps_measured": len(times), "plans": sorted({row["plan"].split()[0] for row in rows})}
     base = out["pp-lockstep"]["median_step_s"]
-    print(f"{'plan':<12} {'median step (s)':>16} {'tokens/s':>9} {'vs lockstep':>12} {'bubble measured':>16} "
+    print(f"{'plan':<16} {'median step (s)':>16} {'tokens/s':>9} {'vs lockstep':>12} {'bubble measured':>16} "
           f"{'bubble planned':>15} {'last loss':>10} {'load':>5}")
     for name, o in out.items():
-        print(f"{name:<12} {o['median_step_s']:>16.3f} {o['tokens_per_s']:>9.0f} {base / o['median_step_s']:>11.2f}x "
+        print(f"{name:<16} {o['median_step_s']:>16.3f} {o['tokens_per_s']:>9.0f} {base / o['median_step_s']:>11.2f}x "
               f"{o['measured_bubble']:>16.3f} {o['planned_bubble']:>15.3f} {o['last_loss']:>10.4f} {o['load']:>5.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     if args.png:
         _plot(out, args.png)
+
+
+def _trainer_cost(args, d: Path) -> dict:
+    """One stage's cost model fitted through the trainer's code path (module docstring)."""
+    import numpy as np
+    from sim_trainer_profile import local_profile
+
+    from bytescale.train.build import build_dataset
+    from bytescale.train.config import parse_args
+
+    cfg = parse_args(["--data", args.data, "--model", args.model, "--capacity", str(args.capacity),
+                      "--tokens-per-batch", str(args.tokens_per_batch), "--synthetic-docs", "2000",
+                      "--synthetic-scale", str(args.scale), "--max-length", str(args.capacity * 2)])
+    ds, vocab, _ = build_dataset(cfg, args.capacity * 2)
+    prof = local_profile(cfg, vocab, np.asarray(ds.lengths, dtype=np.int64), args.capacity,
+                         max_len=args.capacity * 2)
+    cost = {"a1": prof["a1"] / 2, "b1": prof["b1"] / 2, "g": prof["g"], "layers": 1}
+    (d / "cost.json").write_text(json.dumps(cost))
+    return cost
 
 
 def _plot(out: dict, path: str) -> None:
@@ -78,14 +101,15 @@ def _plot(out: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     names = list(out)
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
-    a.bar(names, [out[n]["median_step_s"] for n in names], color=["tab:green", "tab:gray", "tab:orange"])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(4 + 1.6 * len(names), 3.6))
+    a.tick_params(axis="x", labelrotation=30)
+    a.bar(names, [out[n]["median_step_s"] for n in names])
     a.set_ylabel("median step (s)")
     a.set_title("PP 2 x HDP 2 on CPU: step time")
     x = range(len(names))
     b.bar([i - 0.2 for i in x], [out[n]["measured_bubble"] for n in names], width=0.4, label="measured")
     b.bar([i + 0.2 for i in x], [out[n]["planned_bubble"] for n in names], width=0.4, label="planned (replay)")
-    b.set_xticks(list(x), names)
+    b.set_xticks(list(x), names, rotation=30)
     b.set_ylabel("bubble (idle share)")
     b.set_title("bubble")
     b.legend()

@@ -39,17 +39,22 @@ def _run(tmp: Path, name: str, args, extra) -> dict:
     return {"rows": rows, "load": (load0 + os.getloadavg()[0]) / 2}
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_arguments(doc: str, capacity_help: str) -> argparse.ArgumentParser:
+    """The options of the measured entry-point benchmarks (what :func:`_run` reads)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="synthetic:byted")
     ap.add_argument("--model", default="small")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--capacity", type=int, default=2048, help="tokens per micro-batch per rank (HDP 4) and per "
-                                                              "unit (HDP 2 x TP 2)")
+    ap.add_argument("--capacity", type=int, default=2048, help=capacity_help)
     ap.add_argument("--tokens-per-batch", type=int, default=16384)
     ap.add_argument("--scale", type=float, default=1 / 256)
     ap.add_argument("--json")
+    return ap
+
+
+def main(argv=None) -> None:
+    ap = run_arguments(__doc__, "tokens per micro-batch per rank (HDP 4) and per unit (HDP 2 x TP 2)")
     args = ap.parse_args(argv)
     configs = {"HDP 2 x TP 2": ["--tp", "2"], "HDP 4": []}
     runs = {k: [] for k in configs}

@@ -16,14 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from train_launch import assert_same_steps, launch, logged_run
+from train_launch import TINY_RUN, assert_same_steps, launch, logged_run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1800)]
 
 STEPS = 6
-COMMON = ["--data", "synthetic:byted", "--synthetic-docs", "400", "--synthetic-scale", "0.0005",
-          "--capacity", "128", "--tokens-per-batch", "1024", "--steps", STEPS, "--warmup-steps", "2",
-          "--lr", "3e-3", "--progress=false", "--keep", "0", "--model", "tiny", "--vocab-size", "64"]
+COMMON = TINY_RUN + ["--steps", STEPS]
 
 
 def _run(d: Path, name: str, nproc: int, *extra) -> dict:

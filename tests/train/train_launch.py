@@ -13,6 +13,12 @@ from typing import Dict, List, Sequence
 REPO = Path(__file__).resolve().parents[2]
 
 
+# a short run of the tiny model on the synthetic corpus (the TP and PP entry-point tests)
+TINY_RUN = ["--data", "synthetic:byted", "--synthetic-docs", "400", "--synthetic-scale", "0.0005",
+            "--capacity", "128", "--tokens-per-batch", "1024", "--warmup-steps", "2", "--lr", "3e-3",
+            "--progress=false", "--keep", "0", "--model", "tiny", "--vocab-size", "64"]
+
+
 def _env() -> Dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
