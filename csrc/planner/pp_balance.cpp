@@ -568,34 +568,9 @@ class PPBalance {
       }
       w.ring_grp.push_back(static_cast<int64_t>(w.grp.size()));
     }
-    w.rank_mb.assign(1, 0);
-    w.mb_ring.clear();
-    w.mb_slot.clear();
-    w.f.clear();
-    w.b.clear();
-    w.p2p.clear();
+    clearOps(w);
     for (int h : pipes) {
-      for (const Entry& e : L.lists[h]) {
-        double c, tokens;
-        if (e.ring >= 0) {
-          const RingItem& r = L.rings[e.ring];
-          const int pos = static_cast<int>(std::lower_bound(r.members.begin(), r.members.end(), h) - r.members.begin());
-          c = r.cost;
-          tokens = static_cast<double>(zigzag::local_tokens(ctx_.len[r.seq], r.d, pos));
-          w.mb_ring.push_back(w.ring_id[e.ring]);
-        } else {
-          c = L.bins[e.bin].cost;
-          tokens = static_cast<double>(L.bins[e.bin].tokens);
-          w.mb_ring.push_back(-1);
-        }
-        w.mb_slot.push_back(e.slot);
-        w.p2p.push_back(P_ > 1 ? po_.p2pTime(tokens) : 0.0);
-        const double fc = po_.fwd_share * c, bc = c - po_.fwd_share * c;
-        for (int q = 0; q < P_; ++q) {
-          w.f.push_back(fc);
-          w.b.push_back(bc);
-        }
-      }
+      for (const Entry& e : L.lists[h]) pushOp(w, L, e, h, e.ring >= 0 ? w.ring_id[e.ring] : -1);
       w.rank_mb.push_back(static_cast<int64_t>(w.mb_ring.size()));
     }
     PipelineView v;
@@ -661,37 +636,45 @@ class PPBalance {
     }
   }
 
-  // Pipeline h's step on its own: its rings as if local (their partners never late). Every
-  // operation of the cohort's replay starts no earlier (waiting only delays), so it is a lower
-  // bound of h's finish there.
-  double alone(const Layout& L, int h) {
-    Scratch& w = scratch_;
+  // The replay input of the scratch: emptied, then one micro-batch of pipeline h at a time (its
+  // stage durations, its transfer, its slot; `ring` the replay's ring id, or -1).
+  static void clearOps(Scratch& w) {
     w.rank_mb.assign(1, 0);
     w.mb_ring.clear();
     w.mb_slot.clear();
     w.f.clear();
     w.b.clear();
     w.p2p.clear();
-    for (const Entry& e : L.lists[h]) {
-      double c, tokens;
-      if (e.ring >= 0) {
-        const RingItem& r = L.rings[e.ring];
-        const int pos = static_cast<int>(std::lower_bound(r.members.begin(), r.members.end(), h) - r.members.begin());
-        c = r.cost;
-        tokens = static_cast<double>(zigzag::local_tokens(ctx_.len[r.seq], r.d, pos));
-      } else {
-        c = L.bins[e.bin].cost;
-        tokens = static_cast<double>(L.bins[e.bin].tokens);
-      }
-      w.mb_ring.push_back(-1);
-      w.mb_slot.push_back(e.slot);
-      w.p2p.push_back(P_ > 1 ? po_.p2pTime(tokens) : 0.0);
-      const double fc = po_.fwd_share * c, bc = c - po_.fwd_share * c;
-      for (int q = 0; q < P_; ++q) {
-        w.f.push_back(fc);
-        w.b.push_back(bc);
-      }
+  }
+
+  void pushOp(Scratch& w, const Layout& L, const Entry& e, int h, int64_t ring) const {
+    double c, tokens;
+    if (e.ring >= 0) {
+      const RingItem& r = L.rings[e.ring];
+      const int pos = static_cast<int>(std::lower_bound(r.members.begin(), r.members.end(), h) - r.members.begin());
+      c = r.cost;
+      tokens = static_cast<double>(zigzag::local_tokens(ctx_.len[r.seq], r.d, pos));
+    } else {
+      c = L.bins[e.bin].cost;
+      tokens = static_cast<double>(L.bins[e.bin].tokens);
     }
+    w.mb_ring.push_back(ring);
+    w.mb_slot.push_back(e.slot);
+    w.p2p.push_back(P_ > 1 ? po_.p2pTime(tokens) : 0.0);
+    const double fc = po_.fwd_share * c, bc = c - po_.fwd_share * c;
+    for (int q = 0; q < P_; ++q) {
+      w.f.push_back(fc);
+      w.b.push_back(bc);
+    }
+  }
+
+  // Pipeline h's step on its own: its rings as if local (their partners never late). Every
+  // operation of the cohort's replay starts no earlier (waiting only delays), so it is a lower
+  // bound of h's finish there.
+  double alone(const Layout& L, int h) {
+    Scratch& w = scratch_;
+    clearOps(w);
+    for (const Entry& e : L.lists[h]) pushOp(w, L, e, h, -1);  // its rings as if local
     w.rank_mb.push_back(static_cast<int64_t>(w.mb_ring.size()));
     w.ring_grp.assign(1, 0);
     PipelineView v;
