@@ -147,7 +147,7 @@ def _pipeline_on_cuda(rank, world):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-    from test_pipeline import Case, _cfg, _dataset, _loader_config, _model  # noqa: E402
+    from test_pipeline_executor import Case, _cfg, _dataset, _loader_config, _model  # noqa: E402
 
     import bytescale
     from bytescale import HybridDataParallel, PipelineExecutor
@@ -173,12 +173,12 @@ def _pipeline_on_cuda(rank, world):
 def test_pipeline_pp2_hdp2_on_one_gpu_matches_single_process():
     """PP 2 x HDP 2 (bytescale.PipelineExecutor: 1F1B over the plan's slots, activations and
     gradients on the per-direction channels) with the CUDA compute path, against the float64
-    single-process reference of tests/runtime/test_pipeline.py."""
+    single-process reference of tests/runtime/test_pipeline_executor.py."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-    from test_pipeline import Case, _reference  # noqa: E402
+    from test_pipeline_executor import Case, _reference  # noqa: E402
 
     ref, _, _ = _reference(Case(pp=2, hdp=2, steps=2))
     for params in run_distributed(_pipeline_on_cuda, 4, timeout=300):
