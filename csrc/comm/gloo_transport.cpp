@@ -181,6 +181,17 @@ class GlooExchange final : public PendingExchange {
     }
   }
 
+  // Gives up on the transfers (a later op could not be posted): aborts and reaps them without
+  // reporting; the destructor buries the aborted Works.
+  void abandon() {
+    abort();
+    try {
+      wait();
+    } catch (...) {
+    }
+    aborted_ = true;
+  }
+
   const std::shared_ptr<ExchangeState>& state() const { return state_; }
 
  private:
@@ -313,9 +324,25 @@ std::unique_ptr<PendingExchange> GlooTransport::exchangeNow(const std::vector<P2
     std::vector<at::Tensor> ts{op.tensor};
     bool send = op.kind == P2POp::kSend;
     int tag = op.tag >= 0 ? op.tag : nextTag(op.peer, send, op.tag == kAgreementTag);
-    works.push_back(send ? gloo_->send(ts, op.peer, tag) : gloo_->recv(ts, op.peer, tag));
-    state->items.push_back(
-        {op.kind, op.peer, static_cast<int64_t>(op.tensor.numel() * op.tensor.element_size())});
+    const int64_t bytes = static_cast<int64_t>(op.tensor.numel() * op.tensor.element_size());
+    try {
+      works.push_back(send ? gloo_->send(ts, op.peer, tag) : gloo_->recv(ts, op.peer, tag));
+    } catch (const std::exception& e) {
+      // Gloo refuses to post on a pair whose connection is already gone (a peer that died
+      // earlier): named like a failed wait. The ops posted so far are aborted and buried.
+      const char* raw = e.what();
+      if (const auto* ce = dynamic_cast<const c10::Error*>(&e)) raw = ce->msg().c_str();
+      std::ostringstream os;
+      os << "bytescale " << what << ": " << (send ? "send to" : "receive from") << " rank "
+         << op.peer << " (" << bytes << " bytes) failed: " << raw;
+      std::string msg = os.str();
+      {
+        GlooExchange posted(std::move(works), std::move(state), what, live_, nullptr);
+        posted.abandon();
+      }
+      TORCH_CHECK_WITH(DistBackendError, false, msg);
+    }
+    state->items.push_back({op.kind, op.peer, bytes});
   }
   return std::make_unique<GlooExchange>(std::move(works), std::move(state), what, live_,
                                         worker_.onQueueThread() ? status_ : nullptr);
@@ -377,7 +404,15 @@ c10::intrusive_ptr<c10d::Work> GlooTransport::postRecvAnysource(const at::Tensor
   auto work = c10::make_intrusive<AnySourceWork>(rank_, std::move(info),
                                                  std::vector<at::Tensor>{tensor});
   std::vector<at::Tensor> ts{tensor};
-  c10::intrusive_ptr<c10d::Work> native = gloo_->recvAnysource(ts, tag);
+  c10::intrusive_ptr<c10d::Work> native;
+  try {
+    native = gloo_->recvAnysource(ts, tag);
+  } catch (const std::exception& e) {
+    const auto* ce = dynamic_cast<const c10::Error*>(&e);
+    TORCH_CHECK_WITH(DistBackendError, false, "bytescale ", what, ": receive from any rank (",
+                     tensor.numel() * tensor.element_size(),
+                     " bytes) failed: ", ce ? ce->msg() : std::string(e.what()));
+  }
   auto state = std::make_shared<ExchangeState>();
   state->items.push_back(
       {P2POp::kRecv, -1, static_cast<int64_t>(tensor.numel() * tensor.element_size())});

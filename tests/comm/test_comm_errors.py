@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import torch
@@ -82,6 +83,9 @@ def _peer_exits(rank: int, world: int):
         os._exit(0)  # dies without a word, mid-job
     time.sleep(0.5)
     return {
+        # the first ops after the death: Gloo may refuse to even post on the closed pair
+        "agree": _capture(lambda: bytescale.comm.agree([rank], "plan check", kind="plan")),
+        "send": _capture(lambda: dist.send(torch.ones(10), dst=1)),
         "world": _capture(lambda: dist.all_reduce(torch.ones(1000))),
         "group": _capture(lambda: dist.all_reduce(torch.ones(100_000), group=bytescale.dynamic_group([0, 1]))),
     }
@@ -90,7 +94,11 @@ def _peer_exits(rank: int, world: int):
 def test_rank_exit_fails_fast():
     results = run_distributed(_peer_exits, 2, pg_timeout=20, timeout=120)
     assert results[1] is None
-    for key in ("world", "group"):
+    for key in ("agree", "send", "world", "group"):
         kind, msg, elapsed = results[0][key]
         assert kind is not None, f"{key}: no error after the peer died"
         assert elapsed < 25, f"{key}: took {elapsed:.1f}s to fail"
+    # whichever way Gloo fails (at posting or in the wait), the error names the op, group and peer
+    assert re.search(r"bytescale plan check on world group \[0, 1\]: .*rank 1", results[0]["agree"][1]), \
+        results[0]["agree"][1]
+    assert re.search(r"bytescale send .*rank 1", results[0]["send"][1]), results[0]["send"][1]
