@@ -47,7 +47,7 @@ bool viaGroupOps(const Collective& c) {
 
 // The Gloo call of a collective that viaGroupOps() leaves to Gloo.
 c10::intrusive_ptr<c10d::Work> launchGloo(c10d::Backend& gloo, const Collective& c) {
-  std::vector<at::Tensor> in = c.inputs, out = c.outputs;
+  std::vector<at::Tensor> in = handOff(c.inputs), out = handOff(c.outputs);
   switch (c.kind) {
     case CollectiveKind::kBroadcast: {
       c10d::BroadcastOptions o;
