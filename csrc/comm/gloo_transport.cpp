@@ -321,7 +321,7 @@ std::unique_ptr<PendingExchange> GlooTransport::exchangeNow(const std::vector<P2
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   for (const auto& op : ops) {
     if (op.tensor.numel() == 0) continue;  // nothing to move; both sides skip symmetrically
-    std::vector<at::Tensor> ts = handOff({op.tensor});  // Gloo's threads may free it (work.h)
+    std::vector<at::Tensor> ts{handOff(op.tensor)};  // Gloo's threads may free it (common/handoff.h)
     bool send = op.kind == P2POp::kSend;
     int tag = op.tag >= 0 ? op.tag : nextTag(op.peer, send, op.tag == kAgreementTag);
     const int64_t bytes = static_cast<int64_t>(op.tensor.numel() * op.tensor.element_size());
@@ -403,7 +403,7 @@ c10::intrusive_ptr<c10d::Work> GlooTransport::postRecvAnysource(const at::Tensor
               what, ": the CPU transport needs a defined, contiguous CPU tensor");
   auto work = c10::make_intrusive<AnySourceWork>(rank_, std::move(info),
                                                  std::vector<at::Tensor>{tensor});
-  std::vector<at::Tensor> ts = handOff({tensor});
+  std::vector<at::Tensor> ts{handOff(tensor)};
   c10::intrusive_ptr<c10d::Work> native;
   try {
     native = gloo_->recvAnysource(ts, tag);

@@ -254,21 +254,6 @@ c10::intrusive_ptr<Work> adoptWork(const c10::intrusive_ptr<c10d::Work>& native,
   return w;
 }
 
-std::vector<at::Tensor> handOff(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> out;
-  out.reserve(tensors.size());
-  for (const auto& t : tensors) {
-    c10::TensorImpl* impl = t.defined() ? t.unsafeGetTensorImpl() : nullptr;
-    if (!impl || impl->key_set().has(c10::DispatchKey::Python)) {
-      out.push_back(t);
-      continue;
-    }
-    out.emplace_back(impl->shallow_copy_and_detach(impl->version_counter(),
-                                                   impl->allow_tensor_metadata_change()));
-  }
-  return out;
-}
-
 std::exception_ptr describeFailure(std::exception_ptr error, const std::string& what) {
   if (!error) return error;
   try {

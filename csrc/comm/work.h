@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "comm/transport.h"
+#include "common/handoff.h"
 
 namespace bytescale {
 namespace comm {
@@ -118,14 +119,6 @@ c10::intrusive_ptr<Work> adoptWork(const c10::intrusive_ptr<c10d::Work>& native,
 // The error an operation raises when it failed: a bytescale-prefixed c10::Error keeps its type
 // (RuntimeError, DistBackendError in Python); anything else is prefixed with `what`.
 std::exception_ptr describeFailure(std::exception_ptr error, const std::string& what);
-
-// The tensors handed to a thread bytescale does not join (Gloo's workers, which may drop their
-// last reference to an op's tensors after its Work completed): shallow copies sharing the storage,
-// sizes and version counter, but not the caller's TensorImpl and so not its Python object. Freeing
-// a TensorImpl that owns a Python object takes the GIL; a thread that tries that while the
-// interpreter finalizes is ended by Python (pthread_exit), and its unwinding aborts the process
-// ("terminate called without an active exception"). Python tensor subclasses are passed as they are.
-std::vector<at::Tensor> handOff(const std::vector<at::Tensor>& tensors);
 
 }  // namespace comm
 }  // namespace bytescale

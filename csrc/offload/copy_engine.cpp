@@ -9,6 +9,8 @@
 #include <mutex>
 #include <thread>
 
+#include "common/handoff.h"
+
 namespace bytescale {
 namespace offload {
 
@@ -139,9 +141,10 @@ class CpuTransfer final : public Transfer {
  public:
   CpuTransfer(std::shared_ptr<Worker> worker, const at::Tensor& src, const at::Tensor& host)
       : worker_(std::move(worker)), s_(std::make_shared<CpuState>()) {
-    s_->host = host;
+    // The worker frees what it holds: never a TensorImpl Python has seen (common/handoff.h).
+    s_->host = handOff(host);
     // The job holds the only engine reference to src: its memory goes when the copy is done.
-    worker_->submit(job(s_, true, [s = s_.get(), t = src]() mutable {
+    worker_->submit(job(s_, true, [s = s_.get(), t = handOff(src)]() mutable {
       s->host.copy_(t);
       t.reset();
     }));
@@ -162,7 +165,7 @@ class CpuTransfer final : public Transfer {
     std::unique_lock<std::mutex> lk(s_->m);
     TORCH_CHECK(s_->to_dev_started, "bytescale offload: internal error, restored() before toDevice()");
     s_->waitIdle(lk);
-    return s_->restored;
+    return handOff(s_->restored);  // the caller's own TensorImpl; the worker's stays Python-free
   }
 
   bool hostIdle() override {

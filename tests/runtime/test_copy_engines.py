@@ -45,3 +45,34 @@ def test_device_without_copy_engine_is_a_clear_error():
     with pytest.raises(RuntimeError, match="no copy engine for meta tensors"):
         eng.offload(torch.empty(4, 4, device="meta"))
     assert eng.pending == 0 and eng.pool_in_use_bytes == 0
+
+
+_ENGINE_CHURN = """
+import torch
+from bytescale import _C
+for _ in range(20000):
+    eng = _C.offload.Engine(0)
+    y = eng.fetch(eng.offload(torch.ones(64)))
+    del y    # Python lets go of the restored tensor first ...
+    del eng  # ... then destroys the engine (joining its worker) with the GIL held
+print("ok")
+"""
+
+
+def test_engine_teardown_never_waits_for_a_worker_that_needs_the_gil():
+    # The worker used to free the restored tensor's TensorImpl, whose Python object then needed
+    # the GIL: the engine's destructor, joining the worker while holding the GIL, hung (every run
+    # of this loop did before the fix). The worker now only ever holds Python-free shallow copies.
+    import os
+    import subprocess
+    import sys
+
+    import bytescale
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(bytescale.__file__))))
+    try:
+        out = subprocess.run([sys.executable, "-c", _ENGINE_CHURN], env=env, capture_output=True,
+                             text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("creating, using and dropping offload engines hung (a worker waiting for the GIL)")
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
