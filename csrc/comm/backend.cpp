@@ -8,6 +8,7 @@
 #include "comm/consistency.h"
 #include "comm/group_ops.h"
 #include "comm/work.h"
+#include "common/handoff.h"
 
 namespace bytescale {
 namespace comm {

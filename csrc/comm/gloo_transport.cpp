@@ -10,6 +10,7 @@
 
 #include "comm/agreement.h"
 #include "comm/work.h"
+#include "common/handoff.h"
 #include "common/env.h"
 
 namespace bytescale {
@@ -30,6 +31,23 @@ void bury(std::vector<c10::intrusive_ptr<c10d::Work>> works) {
   static auto* graveyard = new std::vector<c10::intrusive_ptr<c10d::Work>>();
   std::lock_guard<std::mutex> g(mu);
   graveyard->insert(graveyard->end(), works.begin(), works.end());
+}
+
+// "bytescale <what>: send to rank 3 (512 bytes) failed: <failure>": how every failed transfer of
+// an exchange is reported, whether Gloo refused to post it or it failed while waited for.
+std::string transferFailure(const std::string& what, P2POp::Kind kind, int peer, int64_t bytes,
+                            const std::string& failure) {
+  std::ostringstream os;
+  os << "bytescale " << what << ": " << (kind == P2POp::kSend ? "send to" : "receive from")
+     << (peer < 0 ? std::string(" any rank") : " rank " + std::to_string(peer)) << " (" << bytes
+     << " bytes) failed: " << failure;
+  return os.str();
+}
+
+// An exception's text without c10's source-location suffix.
+std::string errorText(const std::exception& e) {
+  const auto* ce = dynamic_cast<const c10::Error*>(&e);
+  return ce ? ce->msg() : std::string(e.what());
 }
 
 }  // namespace
@@ -144,18 +162,10 @@ class GlooExchange final : public PendingExchange {
           aborted_ = true;
           failure = "aborted (the backend was shut down)";
         }
-      } catch (const c10::Error& e) {
-        failure = e.msg();
       } catch (const std::exception& e) {
-        failure = e.what();
+        failure = errorText(e);
       }
-      if (!failure.empty() && msg.empty()) {
-        std::ostringstream os;
-        os << "bytescale " << what_ << ": " << (it.kind == P2POp::kSend ? "send to" : "receive from")
-           << (it.peer < 0 ? std::string(" any rank") : " rank " + std::to_string(it.peer)) << " ("
-           << it.bytes << " bytes) failed: " << failure;
-        msg = os.str();
-      }
+      if (!failure.empty() && msg.empty()) msg = transferFailure(what_, it.kind, it.peer, it.bytes, failure);
       if (failure.empty()) state_->done.store(i + 1);
     }
     if (status_) {
@@ -330,12 +340,7 @@ std::unique_ptr<PendingExchange> GlooTransport::exchangeNow(const std::vector<P2
     } catch (const std::exception& e) {
       // Gloo refuses to post on a pair whose connection is already gone (a peer that died
       // earlier): named like a failed wait. The ops posted so far are aborted and buried.
-      const char* raw = e.what();
-      if (const auto* ce = dynamic_cast<const c10::Error*>(&e)) raw = ce->msg().c_str();
-      std::ostringstream os;
-      os << "bytescale " << what << ": " << (send ? "send to" : "receive from") << " rank "
-         << op.peer << " (" << bytes << " bytes) failed: " << raw;
-      std::string msg = os.str();
+      const std::string msg = transferFailure(what, op.kind, op.peer, bytes, errorText(e));
       {
         GlooExchange posted(std::move(works), std::move(state), what, live_, nullptr);
         posted.abandon();
@@ -408,10 +413,10 @@ c10::intrusive_ptr<c10d::Work> GlooTransport::postRecvAnysource(const at::Tensor
   try {
     native = gloo_->recvAnysource(ts, tag);
   } catch (const std::exception& e) {
-    const auto* ce = dynamic_cast<const c10::Error*>(&e);
-    TORCH_CHECK_WITH(DistBackendError, false, "bytescale ", what, ": receive from any rank (",
-                     tensor.numel() * tensor.element_size(),
-                     " bytes) failed: ", ce ? ce->msg() : std::string(e.what()));
+    TORCH_CHECK_WITH(DistBackendError, false,
+                     transferFailure(what, P2POp::kRecv, -1,
+                                     static_cast<int64_t>(tensor.numel() * tensor.element_size()),
+                                     errorText(e)));
   }
   auto state = std::make_shared<ExchangeState>();
   state->items.push_back(

@@ -19,7 +19,6 @@
 #include <vector>
 
 #include "comm/transport.h"
-#include "common/handoff.h"
 
 namespace bytescale {
 namespace comm {
