@@ -18,11 +18,11 @@ import torch
 from bytescale.attention import Layout
 from bytescale.config import LoaderConfig, PlannerConfig, RuntimeConfig
 from bytescale.data import IGNORE_INDEX, HDPLoader, SyntheticTokens
-from bytescale.models import Llama, LlamaConfig
 from bytescale.runtime import token_level_loss
+from fixtures import TINY, tiny_llama
 from dist_utils import run_distributed
 
-CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=40)
+CFG = TINY
 WORLD, CAPACITY, STRATEGY = 3, 100, "naive"
 
 
@@ -52,8 +52,7 @@ def _batch_with_the_shape():
 
 
 def _model():
-    torch.manual_seed(0)
-    return Llama(CFG).double()
+    return tiny_llama(CFG)
 
 
 def _loader(lengths):

@@ -17,11 +17,12 @@ from bytescale.config import LoaderConfig, PlannerConfig, RuntimeConfig
 from bytescale.data import HDPLoader, SyntheticTokens
 from bytescale.models import Llama, LlamaConfig
 from bytescale.runtime import token_level_loss
+from fixtures import TINY, tiny_llama
 from dist_utils import run_distributed, train_on_whole_documents
 
 pytestmark = pytest.mark.multiprocess
 
-DENSE = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=40)
+DENSE = TINY
 # a 300-token document needs a ring of 3 units at capacity 110, of 2 at capacity 160
 LENGTHS = [300, 97, 13, 7, 45, 3, 130, 31, 64, 9, 150, 22, 5, 77, 1, 40, 211]
 TOKENS_PER_BATCH = 520
@@ -34,8 +35,7 @@ def _dataset():
 
 
 def _model(cfg: LlamaConfig) -> Llama:
-    torch.manual_seed(0)
-    return Llama(cfg).to(torch.float64)
+    return tiny_llama(cfg)
 
 
 def _loader_config(**kw) -> LoaderConfig:

@@ -12,10 +12,10 @@ from bytescale.attention import Layout
 from bytescale.config import LoaderConfig, PlannerConfig, RuntimeConfig
 from bytescale.data import IGNORE_INDEX, HDPLoader, SyntheticTokens
 from bytescale.runtime import token_level_loss
-from bytescale.models import Llama, LlamaConfig
+from fixtures import TINY, tiny_llama
 from dist_utils import run_distributed
 
-CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=40)
+CFG = TINY
 LENGTHS = [211, 97, 13, 7, 45, 3, 130, 31, 64, 9, 150, 22, 5, 77, 1, 40]
 CAPACITY = 110
 TOKENS_PER_BATCH = 420
@@ -23,8 +23,7 @@ STEPS = 3
 
 
 def _model(dtype):
-    torch.manual_seed(0)
-    return Llama(CFG).to(dtype)
+    return tiny_llama(CFG, dtype)
 
 
 def _dataset():

@@ -25,11 +25,12 @@ import torch
 from bytescale.config import LoaderConfig, PlannerConfig, RuntimeConfig
 from bytescale.data import HDPLoader, SyntheticTokens
 from bytescale.models import Llama, LlamaConfig
+from fixtures import TINY, tiny_llama
 from dist_utils import capture_error, run_distributed, train_on_whole_documents
 
 pytestmark = pytest.mark.multiprocess
 
-CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=40)
+CFG = TINY
 # a 300-token document needs a ring of 2 units at capacity 160
 LENGTHS = [300, 97, 13, 7, 45, 3, 130, 31, 64, 9, 150, 22, 5, 77, 1, 40, 211]
 SMALL = [23, 5, 17, 2, 40, 11]  # 20-token batches: one or two documents, a pipeline without any
@@ -60,8 +61,7 @@ def _cfg(case: Case) -> LlamaConfig:
 
 
 def _model(cfg: LlamaConfig) -> Llama:
-    torch.manual_seed(0)
-    return Llama(cfg).to(torch.float64)
+    return tiny_llama(cfg)
 
 
 def _loader_config(case: Case, **kw) -> LoaderConfig:
