@@ -183,6 +183,7 @@ class _World:
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                self.why = "timed out"
                 self.kill()
                 raise TimeoutError(f"distributed job {name} (world size {self.world_size}) "
                                    f"did not finish within {timeout:.0f} s")
@@ -198,6 +199,7 @@ class _World:
                 if msg is not None:
                     kind, text = msg
                     if kind == "error":
+                        self.why = f"rank {r} raised"
                         self.kill()
                         raise mp.ProcessRaisedException(
                             f"\n\n-- Process {r} terminated with the following error:\n{text}",
@@ -211,6 +213,7 @@ class _World:
                     pending.discard(r)
                     self.usable, self.why = False, f"rank {r} exited ({code})"
                     if code != 0:
+                        self.why = f"rank {r} exited with code {code}"
                         self.kill()
                         raise mp.ProcessExitedException(
                             f"process {r} terminated with exit code {code}", r, self.procs[r].pid,

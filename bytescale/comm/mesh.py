@@ -47,6 +47,7 @@ MESH_DIMS = ("pp", "hdp", "tp")
 """The mesh's dimensions, outermost first."""
 
 _current: Optional["Mesh"] = None
+_current_world: Optional[object] = None  # the default process group _current was made in
 
 
 @dataclass(frozen=True, eq=False)
@@ -303,12 +304,16 @@ def mesh_from_device_mesh(device_mesh) -> Mesh:
 
 
 def current_mesh() -> Optional[Mesh]:
-    """The mesh :func:`init_mesh` made last (None before, or after the world was destroyed)."""
-    if _current is not None and not dist.is_initialized():
+    """The mesh :func:`init_mesh` made last in this world: None before, after the world was
+    destroyed, and in a later world (a process group initialised again), whose ranks and groups
+    the old mesh does not describe."""
+    if _current is None or not dist.is_initialized() or dist.group.WORLD is not _current_world:
         return None
     return _current
 
 
 def set_current_mesh(mesh: Optional[Mesh]) -> None:
-    global _current
+    """Make ``mesh`` the current one of this world (the default process group now initialised)."""
+    global _current, _current_world
     _current = mesh
+    _current_world = dist.group.WORLD if mesh is not None and dist.is_initialized() else None

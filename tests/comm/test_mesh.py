@@ -178,3 +178,20 @@ def test_bad_mesh_sizes_and_node_spanning_tp_groups():
         assert "world of 3 ranks is not divisible by pp=1 x tp=2 = 2" in r["indivisible"]
         assert "tp must be an integer >= 1, got 0" in r["zero"]
         assert any("TP group of ranks [0, 1, 2] spans 2 nodes (node-a, node-b)" in m for m in r["warn"]), r["warn"]
+
+
+def _mesh_of_an_earlier_world(rank, world, store_path):
+    import bytescale
+
+    mesh = bytescale.init_mesh(tp=2)
+    assert bytescale.current_mesh() is mesh
+    dist.destroy_process_group()
+    assert bytescale.current_mesh() is None
+    dist.init_process_group("bytescale", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    # a new world: the old mesh's groups and units describe nothing in it (a loader that took it
+    # planned 2 units of a world of 4: silently wrong batches)
+    return bytescale.current_mesh() is None
+
+
+def test_a_mesh_never_outlives_its_world(tmp_path):
+    assert run_distributed(_mesh_of_an_earlier_world, 4, str(tmp_path / "store2"), timeout=120) == [True] * 4
