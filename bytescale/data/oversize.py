@@ -68,7 +68,9 @@ class DocumentView:
       ``max_length`` tokens, no token dropped (``oversize="split"``), or left out (``"skip"``), or
       refused (``"error"``: :class:`OversizeError` naming the count and the first documents).
 
-    ``doc[i]`` and ``start[i]`` are view id ``i``'s document in the base dataset and its offset there.
+    View ids follow the base order (a split document's pieces one after another). Building the
+    view costs one pass over the lengths and one lengths array: only the long documents are
+    remembered, and :meth:`locate` maps a view id to (base document, offset) in O(log long ones).
     """
 
     def __init__(self, base: Any, max_length: int, length_scale: float = 1.0, oversize: str = "split",
@@ -80,24 +82,28 @@ class DocumentView:
         lens = dataset_lengths(base) if lengths is None else np.asarray(lengths, dtype=np.int64)
         if length_scale < 1.0:
             lens = np.maximum(1, np.ceil(lens * length_scale)).astype(np.int64)
-        over = lens > max_length
-        self.oversize_ids = np.flatnonzero(over)
+        self.oversize_ids = np.flatnonzero(lens > max_length)
+        long_lens = lens[self.oversize_ids]
         if oversize == "error" and len(self.oversize_ids):
-            raise OversizeError(describe_oversize(self.oversize_ids, lens[self.oversize_ids], max_length,
+            raise OversizeError(describe_oversize(self.oversize_ids, long_lens, max_length,
                                                   type(base).__name__) + FIX_HINT)
-        if oversize == "split":
-            pieces = np.maximum(1, -(-lens // max_length))
-        else:
-            pieces = (~over).astype(np.int64)
-            if not pieces.any():
-                raise OversizeError(describe_oversize(self.oversize_ids, lens[self.oversize_ids], max_length,
-                                                      type(base).__name__) + ": oversize='skip' leaves nothing")
+        if oversize == "skip" and len(self.oversize_ids) == len(lens):
+            raise OversizeError(describe_oversize(self.oversize_ids, long_lens, max_length,
+                                                  type(base).__name__) + ": oversize='skip' leaves nothing")
         self.base = base
         self.max_length = int(max_length)
-        self.doc = np.repeat(np.arange(len(lens)), pieces)
-        first = np.repeat(np.cumsum(pieces) - pieces, pieces)
-        self.start = (np.arange(len(self.doc)) - first) * max_length
-        self.lengths = np.minimum(lens[self.doc] - self.start, max_length).astype(np.int64)
+        # per long document: its pieces (0 when skipped) and the view id of its first piece
+        self._pieces = -(-long_lens // max_length) if oversize == "split" else np.zeros_like(long_lens)
+        self._first = self.oversize_ids + np.concatenate([[0], np.cumsum(self._pieces - 1)[:-1]]).astype(np.int64)
+        if not len(self.oversize_ids):
+            self.lengths = lens
+        elif oversize == "split":
+            k = np.arange(int(self._pieces.max()))
+            extra = [np.minimum(n - k[1:p] * max_length, max_length) for n, p in zip(long_lens, self._pieces)]
+            self.lengths = np.insert(np.minimum(lens, max_length), np.repeat(self.oversize_ids + 1, self._pieces - 1),
+                                     np.concatenate(extra)).astype(np.int64)
+        else:
+            self.lengths = np.delete(lens, self.oversize_ids)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -105,9 +111,30 @@ class DocumentView:
     def length(self, idx: int) -> int:
         return int(self.lengths[idx])
 
+    def locate(self, idx: int) -> Tuple[int, int]:
+        """(base document, offset there) of view id ``idx``."""
+        if not 0 <= idx < len(self.lengths):
+            raise IndexError(f"DocumentView: id {idx} outside [0, {len(self.lengths)})")
+        j = int(np.searchsorted(self._first, idx, side="right")) - 1
+        if j < 0:
+            return idx, 0
+        if idx < self._first[j] + self._pieces[j]:
+            return int(self.oversize_ids[j]), int(idx - self._first[j]) * self.max_length
+        return int(idx - self._first[j] - self._pieces[j] + self.oversize_ids[j] + 1), 0
+
+    @property
+    def doc(self) -> np.ndarray:
+        """Every view id's base document (an array as long as the view; for inspection)."""
+        return np.array([self.locate(i)[0] for i in range(len(self))], dtype=np.int64)
+
+    @property
+    def start(self) -> np.ndarray:
+        """Every view id's offset in its base document (for inspection)."""
+        return np.array([self.locate(i)[1] for i in range(len(self))], dtype=np.int64)
+
     def tokens(self, idx: int, start: int, end: int) -> torch.Tensor:
-        off = int(self.start[idx])
-        return self.base.tokens(int(self.doc[idx]), off + start, off + end)
+        doc, off = self.locate(int(idx))
+        return self.base.tokens(doc, off + start, off + end)
 
 
 class StreamingOversize:
