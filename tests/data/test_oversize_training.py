@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from bytescale import HybridDataParallel, LoaderConfig, PlannerConfig, token_level_loss
+from bytescale import HybridDataParallel, LoaderConfig, PlannerConfig, StepExecutor, token_level_loss
 from bytescale.attention import Layout
 from bytescale.data import IGNORE_INDEX, DocumentView, HDPLoader, OversizeError, TokenStore, TokenStoreWriter
 from bytescale.models import Llama, LlamaConfig
@@ -40,15 +40,11 @@ def _ported(rank: int, world: int, path: str, mode: str):
     except OversizeError as e:
         return "refused", str(e)
     model = HybridDataParallel(_model())
+    executor = StepExecutor(model)  # the README loop's micro_batch / token_level_loss / finish_step
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     batches = []
     for step in loader:
-        mbs = step.micro_batches
-        for i, mb in enumerate(mbs):
-            with model.micro_batch(mb, last=i == len(mbs) - 1):
-                logits = model(mb.input_ids, mb.position_ids, layout=mb.layout)
-                token_level_loss(logits, mb.labels, step.global_loss_tokens).backward()
-        model.finish_step()
+        executor.run(step)
         opt.step()
         opt.zero_grad()
         batches.append(list(step.sample_ids))
