@@ -105,6 +105,8 @@ class LengthRecorder:
     def __init__(self, source: Any) -> None:
         self.source = source
         self.lengths: Dict[int, Tuple[int, ...]] = {}
+        # what HDPLoader's oversize handling reads of a data-service client
+        self.source_names, self.longest = getattr(source, "source_names", None), getattr(source, "longest", None)
 
     def next_batch(self):
         b = self.source.next_batch()
