@@ -313,3 +313,24 @@ def test_service_resume_on_another_world_size_sees_the_same_batches(spec, mode):
     assert first + rest == whole
     assert any(LENGTHS[i] > 3 * CAP for ids, _ in rest for i in (ids if mode == "split" else ())) or mode == "skip"
     assert _service_run(spec, 5, mode, 10)[0] != whole  # the run's limit, not this mesh's, decides
+
+
+# -- the trainer: the same option, the same default, the library's view ------------------------------
+
+@pytest.mark.parametrize("mode", ["split", "skip", "error"])
+def test_trainer_builds_its_dataset_with_the_librarys_option(store, mode):
+    from bytescale.train.build import build_dataset
+    from bytescale.train.config import ConfigError, loader_config, parse_args
+
+    args = ["--data", str(store), "--max-length", "111"] + (["--oversize", mode] if mode != "split" else [])
+    cfg = parse_args(args)
+    assert loader_config(cfg).oversize == mode == cfg.data.oversize  # split: the default of both
+    assert LoaderConfig(1).oversize == "split"
+    if mode == "error":
+        with pytest.raises(ConfigError, match=r"4 documents of TokenStore .* 1 \(400 tokens\)"):
+            build_dataset(cfg, 111)
+        return
+    ds, _, desc = build_dataset(cfg, 111)
+    assert isinstance(ds, DocumentView) and ds.lengths.max() <= 111 and "4 longer" in desc
+    want = sum(-(-n // 111) for n in LENGTHS) if mode == "split" else sum(n <= 111 for n in LENGTHS)
+    assert len(ds) == want
