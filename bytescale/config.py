@@ -13,6 +13,7 @@ from typing import Any, Optional, Tuple
 __all__ = ["PlannerConfig", "LoaderConfig", "RuntimeConfig", "ParallelConfig", "ENV_KNOBS", "option"]
 
 STRATEGIES = ("balanced", "naive", "pow2", "static", "pp-balance", "pp-lockstep")
+OVERSIZE = ("split", "skip", "error")
 
 
 def option(default: Any = None, help: str = "", choices: Optional[Tuple[Any, ...]] = None,
@@ -97,6 +98,13 @@ class LoaderConfig:
         need every rank. lockstep_group: with lockstep, slots are agreed within blocks of this many
         consecutive HDP units (expert-parallel groups: ``Plan.group_lockstep``); 0: the whole world.
     max_steps: stop after this many steps (None: endless).
+    oversize: what happens to a document longer than any plan of the mesh can hold
+        (:func:`bytescale.planner.longest_document`: units x capacity, more with offloading):
+        "split" (default) cuts it into consecutive pieces that fit, no token dropped; "skip" leaves
+        it out (counted and logged); "error" refuses at construction naming the count and the
+        first documents. A dataset or token store is checked before the first step, in one pass
+        over its lengths; streaming sources (the data service) apply the option per drawn
+        document and never end the run ("error" there skips the document and logs it as an error).
     """
 
     tokens_per_batch: int = option(help="global batch size in tokens", min=1, required=True)
@@ -107,8 +115,13 @@ class LoaderConfig:
     lockstep_group: int = option(0, "lockstep within blocks of this many HDP units (expert parallelism); "
                                     "0: all units", min=0)
     max_steps: Optional[int] = option(None, "stop after this many steps", min=0)
+    oversize: str = option("split", "documents longer than any plan of the mesh can hold: split (consecutive "
+                                    "pieces, no token dropped), skip (counted), or error (refuse at start)",
+                           choices=OVERSIZE)
 
     def __post_init__(self) -> None:
+        if self.oversize not in OVERSIZE:
+            raise ValueError(f"LoaderConfig.oversize {self.oversize!r} is not one of {OVERSIZE}")
         if isinstance(self.tokens_per_batch, bool) or not isinstance(self.tokens_per_batch, int) \
                 or self.tokens_per_batch < 1:
             raise ValueError(f"LoaderConfig.tokens_per_batch must be an integer >= 1, got {self.tokens_per_batch!r}")

@@ -19,7 +19,6 @@ from bytescale.data import HDPLoader, SyntheticTokens, TokenStore, sample_length
 from bytescale.models import Llama, preset
 from bytescale.models.parallel import tensor_parallel
 from bytescale.runtime import clip_grad_norm_
-from bytescale.train.build import DocumentView
 
 
 def main() -> None:
@@ -35,8 +34,9 @@ def main() -> None:
     mesh = bytescale.init_mesh(tp=args.tp)          # bytescale: hdp x tp, TP innermost
     units = mesh.hdp                                # the planner plans HDP units of tp ranks
     if args.data:
-        # documents longer than capacity x units are cut into pieces that fit (no token dropped)
-        data = DocumentView(TokenStore(args.data), max_length=args.capacity * units)
+        # documents longer than any plan of the mesh can hold are cut into pieces that fit (no token
+        # dropped): LoaderConfig(oversize="split"), the default; "skip" or "error" to choose otherwise
+        data = TokenStore(args.data)
     else:
         lengths = sample_lengths("byted", 4000, scale=1 / 512, max_len=args.capacity * units)
         data = SyntheticTokens(lengths.tolist(), vocab_size=256)

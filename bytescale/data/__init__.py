@@ -8,6 +8,7 @@ each rank only its token ranges through a :class:`BatchSource` client (:mod:`.so
 """
 from .dataset import InMemoryTokens, SyntheticTokens, TokenDataset
 from .loader import GlobalBatchSampler, HDPLoader, materialize
+from .oversize import DocumentView, OversizeError
 from .mixing import CurriculumStage, MixingSampler, MixingSpec, SourceSpec
 from .service import DataService, ServiceClient, connect, open_batch_source
 from .source import BatchSource, DatasetSource, GlobalBatch
@@ -23,5 +24,5 @@ __all__ = [
     "TokenStore", "TokenStoreWriter", "ByteTokenizer", "load_tokenizer",
     "GlobalBatch", "BatchSource", "DatasetSource",
     "MixingSpec", "SourceSpec", "CurriculumStage", "MixingSampler",
-    "DataService", "ServiceClient", "connect", "open_batch_source",
+    "DataService", "ServiceClient", "connect", "open_batch_source", "DocumentView", "OversizeError",
 ]

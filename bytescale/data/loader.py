@@ -36,7 +36,9 @@ import torch
 from ..config import LoaderConfig, PlannerConfig, RuntimeConfig
 from ..planner.types import MicroBatchPlan
 from ..planner.units import UnitMap
+from ..planner.feasibility import longest_document
 from .dataset import TokenDataset
+from .oversize import StreamingOversize, open_stream
 from .source import BatchSource, DatasetSource, GlobalBatch
 from ..runtime.types import IGNORE_INDEX, MicroBatch, Step
 
@@ -44,11 +46,13 @@ __all__ = ["GlobalBatchSampler", "HDPLoader", "materialize"]
 
 
 def materialize(dataset: Union[TokenDataset, BatchSource], plan: MicroBatchPlan,
-                bf16_grad_comm: bool = False) -> MicroBatch:
+                bf16_grad_comm: bool = False, offsets: Optional[Sequence[int]] = None) -> MicroBatch:
     """Read exactly this micro-batch's tokens (plus one label token per range) from the dataset
     or batch source (anything with ``tokens(sample_id, start, end)``).
 
-    ``plan`` must be bound to dataset ids (:meth:`MicroBatchPlan.bind`).
+    ``plan`` must be bound to dataset ids (:meth:`MicroBatchPlan.bind`). ``offsets``: per batch
+    position, where the planned document starts in the drawn one (a piece of a split document;
+    its last token has no label, as any document's).
     """
     ids, labels, pos = [], [], []
     for doc, a, b in plan.token_ranges():
@@ -57,8 +61,9 @@ def materialize(dataset: Union[TokenDataset, BatchSource], plan: MicroBatchPlan,
         if doc.sample_id < 0:
             raise ValueError(f"materialize: document at batch position {doc.batch_pos} has no sample id; "
                              "bind the plan to the batch first (MicroBatchPlan.bind)")
-        ids.append(dataset.tokens(doc.sample_id, a, b))
-        lab = dataset.tokens(doc.sample_id, a + 1, min(b + 1, doc.length))
+        off = int(offsets[doc.batch_pos]) if offsets is not None else 0
+        ids.append(dataset.tokens(doc.sample_id, off + a, off + b))
+        lab = dataset.tokens(doc.sample_id, off + a + 1, off + min(b + 1, doc.length))
         if b == doc.length:  # the document's last token has no target
             lab = torch.cat([lab, torch.tensor([IGNORE_INDEX], dtype=torch.long)])
         labels.append(lab)
@@ -177,8 +182,6 @@ class HDPLoader:
         if not isinstance(config, LoaderConfig):
             raise TypeError(f"HDPLoader: config must be a bytescale.config.LoaderConfig, got {type(config).__name__}")
         self._own_source = not isinstance(source, BatchSource)
-        self.source: BatchSource = (DatasetSource(source, config.tokens_per_batch, config.seed)
-                                    if self._own_source else source)
         self.planner = planner
         self.config = config
         self.runtime = runtime or RuntimeConfig()
@@ -189,23 +192,55 @@ class HDPLoader:
         self.units = _unit_map(units, self.world_size)
         if self.rank not in self.units:
             raise ValueError(f"HDPLoader: rank {self.rank} is in no HDP unit of {self.units.describe()}")
+        # documents no plan of this mesh can hold: found now, handled as config.oversize says
+        self.limit = longest_document(planner, self.units)
+        self._stream: Optional[StreamingOversize] = None
+        if self._own_source:
+            source = DatasetSource(source, config.tokens_per_batch, config.seed, self.limit, config.oversize)
+        elif isinstance(source, DatasetSource):
+            if source.max_length is None and not source.step:
+                source.set_limit(self.limit, config.oversize)
+            else:
+                self._check_longest(source)
+        else:
+            self._stream = open_stream(source, self.limit, config.oversize)
+        self.source: BatchSource = source
         self.step_index = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if config.prefetch else None
         self._pending: Optional[concurrent.futures.Future] = None
         self._pending_state: Optional[Dict[str, Any]] = None
 
+    def _check_longest(self, source: DatasetSource) -> None:
+        if source.longest > self.limit:
+            raise ValueError(
+                f"HDPLoader: this run's documents (or pieces) are up to {source.longest} tokens (it cut them at "
+                f"{source.max_length}), more than the {self.limit} a plan of {self.units.num_units} HDP units at "
+                f"capacity {self.planner.capacity} can hold; resume with a capacity of at least "
+                f"{-(-source.longest // self.units.num_units)} tokens per unit (or on more units)")
+
     # -- state ---------------------------------------------------------------------------------
+    def _state(self) -> Dict[str, Any]:
+        state = {"source": self.source.state_dict(), "step": self.step_index}
+        if self._stream is not None:
+            state["oversize_limit"] = self._stream.limit
+        return state
+
     def state_dict(self) -> Dict[str, Any]:
-        """Position of the NEXT step to be returned (prefetched work is not part of the state)."""
+        """Position of the NEXT step to be returned (prefetched work is not part of the state), and
+        the document limit the run started with (it shapes the batches)."""
         if self._pending_state is not None:
             return dict(self._pending_state)
-        return {"source": self.source.state_dict(), "step": self.step_index}
+        return self._state()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if "source" not in state or "step" not in state:
             raise ValueError(f"HDPLoader.load_state_dict: expected keys 'source' and 'step', got {sorted(state)}")
         self._drop_pending()
         self.source.load_state_dict(state["source"])
+        if isinstance(self.source, DatasetSource):
+            self._check_longest(self.source)
+        if self._stream is not None and "oversize_limit" in state:
+            self._stream.resume_limit(int(state["oversize_limit"]), self.limit)
         self.step_index = int(state["step"])
 
     def _drop_pending(self) -> None:
@@ -215,7 +250,7 @@ class HDPLoader:
         self._pending_state = None
 
     # -- steps ---------------------------------------------------------------------------------
-    def _build(self, step_index: int, batch: GlobalBatch) -> Step:
+    def _build(self, step_index: int, batch: GlobalBatch, offsets: Optional[Tuple[int, ...]] = None) -> Step:
         sample_ids, lengths = list(batch.sample_ids), [int(n) for n in batch.lengths]
         plan = self.planner.plan(lengths, self.units if not self.units.is_identity else self.units.num_units)
         if self.config.lockstep:  # FSDP2: the plan's lockstep slots (C++, csrc/planner/replay.h)
@@ -223,7 +258,7 @@ class HDPLoader:
         else:
             mine = plan.micro_batches(self.rank, sample_ids)
         bf16 = self.runtime.bf16_grad_comm
-        micro = tuple(materialize(self.source, mb, bf16) for mb in mine)
+        micro = tuple(materialize(self.source, mb, bf16, offsets) for mb in mine)
         gl_tokens = int(sum(lengths))
         step = Step(step_index, tuple(sample_ids), gl_tokens, gl_tokens - len(lengths), micro, plan, batch=batch)
         # the units relative to their first rank: every pipeline stage plans the same layout over
@@ -234,13 +269,19 @@ class HDPLoader:
             repr((list(sample_ids), lengths, self.world_size, units)).encode() + bytes(plan.to_bytes()))
         return step
 
-    def _next_batch(self) -> Tuple[int, GlobalBatch, Dict[str, Any]]:
-        """Take the next batch's metadata; returns (step index, batch, loader state BEFORE it)."""
-        before = {"source": self.source.state_dict(), "step": self.step_index}
+    def _next_batch(self) -> Tuple[int, GlobalBatch, Optional[Tuple[int, ...]], Dict[str, Any]]:
+        """Take the next batch's metadata; returns (step index, batch, per document its offset in
+        the drawn one or None, loader state BEFORE it)."""
+        before = self._state()
         idx = self.step_index
-        batch = self.source.next_batch()
+        batch, offsets = self.source.next_batch(), None
+        while self._stream is not None:
+            batch, offsets = self._stream.apply(batch)
+            if batch.sample_ids:
+                break
+            batch = self.source.next_batch()  # every document of it was left out
         self.step_index += 1
-        return idx, batch, before
+        return idx, batch, offsets, before
 
     def _verify(self, step: Step) -> None:
         import torch.distributed as dist
@@ -283,13 +324,13 @@ class HDPLoader:
             self._pending = None
             self._pending_state = None
         else:
-            idx, batch, _ = self._next_batch()
-            step = self._build(idx, batch)
+            idx, batch, offsets, _ = self._next_batch()
+            step = self._build(idx, batch, offsets)
         if self._pool is not None and (self.config.max_steps is None or self.step_index < self.config.max_steps):
-            idx, batch, before = self._next_batch()
+            idx, batch, offsets, before = self._next_batch()
             # state_dict() while the next step is in flight reports the position BEFORE it.
             self._pending_state = before
-            self._pending = self._pool.submit(self._build, idx, batch)
+            self._pending = self._pool.submit(self._build, idx, batch, offsets)
         self._verify(step)
         return step
 

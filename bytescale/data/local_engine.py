@@ -231,7 +231,9 @@ class _Coordinator:
         if kind == "hello":
             self.clients[c] = int(self.initial["step"])
             self._send(c, ("info", {"fingerprint": self.fingerprint, "stores": self.stores,
-                                    "start": self.initial, "bases": self.book.sampler.bases}))
+                                    "start": self.initial, "bases": self.book.sampler.bases,
+                                    "names": [src.name for src in self.spec.sources],
+                                    "longest": self.spec.longest()}))
         elif kind == "batch":
             self.clients[c] = msg[1]
             self._answer(c, msg[1])

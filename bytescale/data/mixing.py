@@ -165,6 +165,16 @@ class MixingSpec:
     def to_dict(self) -> Dict[str, Any]:
         return json.loads(json.dumps(asdict(self)))
 
+    def longest(self) -> Optional[int]:
+        """The longest document the spec can yield: its sources' ``max_length`` bounds, or a
+        curriculum that caps the whole run (None: unbounded)."""
+        maxes = [s.max_length for s in self.sources]
+        longest = max(maxes) if all(m is not None for m in maxes) else None
+        if self.curriculum and self.curriculum[-1].until_step is None:
+            cap = max(st.max_length for st in self.curriculum)
+            longest = min(longest, cap) if longest else cap
+        return longest
+
     def cap(self, step: int) -> Optional[int]:
         """The curriculum's length cap at ``step`` (None: no cap)."""
         for st in self.curriculum:

@@ -141,7 +141,8 @@ class _Coordinator:
     def info(self) -> Dict[str, Any]:
         return {"fingerprint": self.fingerprint, "start": self.initial, "bases": self.book.sampler.bases,
                 "stores": sorted(self.stores), "workers": {s: len(w) for s, w in self.workers.items()},
-                "namespace": self.ns}
+                "namespace": self.ns, "names": [src.name for src in self.spec.sources],
+                "longest": self.spec.longest()}
 
     def _dispatch(self) -> None:
         """Small requests, each to the source's actor with the fewest requests pending."""
@@ -247,6 +248,7 @@ class RayServiceClient:
         self.id = uuid.uuid4().hex
         info = ray.get(self.coord.info.remote(), timeout=self.timeout)
         self.fingerprint = info["fingerprint"]
+        self.source_names, self.longest = info.get("names"), info.get("longest")  # HDPLoader's oversize check
         self._bases = info["bases"]
         self._stores = {s: ray.get_actor(f"src{s}", namespace=namespace) for s in info["stores"]}
         self._workers = {int(s): [ray.get_actor(f"src{s}-w{j}", namespace=namespace) for j in range(n)]

@@ -193,6 +193,8 @@ class ServiceClient:
         self._lock = threading.Lock()
         info = self._call(("hello",), "info")[1]
         self.fingerprint: str = info["fingerprint"]
+        # the spec's source names and longest document (None: unbounded), for HDPLoader's oversize check
+        self.source_names, self.longest = info.get("names"), info.get("longest")
         self._bases = info["bases"]
         self._store_paths = {int(k): v for k, v in info["stores"].items()}
         self._stores: Dict[int, Any] = {}

@@ -16,7 +16,7 @@ or a :class:`~bytescale.data.token_store.TokenStore`, same batches as
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Protocol, Tuple, runtime_checkable
+from typing import Any, Dict, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
 
@@ -82,17 +82,48 @@ class DatasetSource:
 
     Batches are those of :class:`~bytescale.data.loader.GlobalBatchSampler` with the same seed
     (shuffled ids per epoch, filled to ``tokens_per_batch``); ``sources`` are all 0.
+
+    ``max_length``: documents longer than this are handled as ``oversize`` says
+    (:class:`~bytescale.data.oversize.DocumentView`: split into pieces, whose ids are then the
+    batches' sample ids, skipped, or refused); :class:`~bytescale.data.HDPLoader` sets it to the
+    longest document its plans can hold (:meth:`set_limit`). It is part of the state: a resumed
+    source takes the one its run started with.
     """
 
-    def __init__(self, dataset: TokenDataset, tokens_per_batch: int, seed: int = 0) -> None:
-        from .loader import GlobalBatchSampler
+    def __init__(self, dataset: TokenDataset, tokens_per_batch: int, seed: int = 0,
+                 max_length: Optional[int] = None, oversize: str = "split") -> None:
+        from .oversize import dataset_lengths
 
-        self.dataset = dataset
-        lengths = getattr(dataset, "lengths", None)
-        if lengths is None:
-            lengths = [dataset.length(i) for i in range(len(dataset))]
-        self.sampler = GlobalBatchSampler(lengths, tokens_per_batch, seed)
+        self.base = dataset
+        self.tokens_per_batch, self.seed = int(tokens_per_batch), int(seed)
+        self.base_lengths = dataset_lengths(dataset)
         self.step = 0
+        self.max_length: Optional[int] = None
+        self.oversize = oversize
+        self._view(max_length, oversize)
+
+    def _view(self, max_length: Optional[int], oversize: str) -> None:
+        from .loader import GlobalBatchSampler
+        from .oversize import DocumentView
+
+        over = max_length is not None and bool((self.base_lengths > max_length).any())
+        self.dataset = (DocumentView(self.base, max_length, oversize=oversize, lengths=self.base_lengths)
+                        if over else self.base)
+        self.max_length, self.oversize = max_length, oversize
+        self.sampler = GlobalBatchSampler(self.dataset.lengths if over else self.base_lengths,
+                                          self.tokens_per_batch, self.seed)
+
+    @property
+    def longest(self) -> int:
+        """The longest document (or piece) this source draws."""
+        return int(self.sampler.lengths.max())
+
+    def set_limit(self, max_length: int, oversize: str) -> None:
+        """Handle documents longer than ``max_length`` as ``oversize`` says (before the first batch;
+        :class:`~bytescale.data.oversize.OversizeError` for ``"error"`` when there are any)."""
+        if self.step or self.sampler.epoch or self.sampler.offset:
+            raise RuntimeError("DatasetSource.set_limit: batches were drawn already; set the limit first")
+        self._view(int(max_length), oversize)
 
     def next_batch(self) -> GlobalBatch:
         ids = self.sampler.next_batch()
@@ -105,11 +136,16 @@ class DatasetSource:
         return self.dataset.tokens(sample_id, start, end)
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"kind": "dataset", "step": self.step, "sampler": self.sampler.state_dict()}
+        return {"kind": "dataset", "step": self.step, "sampler": self.sampler.state_dict(),
+                "max_length": self.max_length, "oversize": self.oversize}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if state.get("kind") != "dataset":
             raise ValueError(f"DatasetSource: not a DatasetSource state (kind {state.get('kind')!r})")
+        if "max_length" in state and (state["max_length"] != self.max_length
+                                      or state.get("oversize", self.oversize) != self.oversize):
+            # the documents the run started with (pieces depend on the limit)
+            self._view(state["max_length"], state.get("oversize", self.oversize))
         self.sampler.load_state_dict(state["sampler"])
         self.step = int(state["step"])
 

@@ -53,7 +53,7 @@ from .units import UnitMap
 
 __all__ = ["CostModel", "Plan", "DocRef", "MicroBatchPlan", "PipelineReplay", "Replay", "UnitMap",
            "load_cost_model", "plan", "profile", "stage_layers", "static_cp_degree", "schedule_lockstep",
-           "sort_local_slots", "ep_slot_replay"]
+           "sort_local_slots", "ep_slot_replay", "longest_document", "documents_fit"]
 
 CostModel = _C.planner.CostModel
 
@@ -761,3 +761,4 @@ def ep_slot_replay(slots: np.ndarray, group: int, rank_mb: np.ndarray, mb_ring: 
 
 
 from .profile import profile  # noqa: E402  (measures this cost model on a device)
+from .feasibility import documents_fit, longest_document  # noqa: E402  (the feasibility rule)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from ..data.oversize import DocumentView, OversizeError  # the library's split (re-exported here)
 from .config import ConfigError, TrainConfig
 from .metrics import FlopsModel
 
@@ -37,40 +38,6 @@ _HF_ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
 
 
 # -- data -----------------------------------------------------------------------------------------
-
-class DocumentView:
-    """A token dataset seen through two length rules (ids are piece ids; every kept token is read
-    from the base dataset):
-
-    * ``length_scale`` < 1 keeps the first ``ceil(length x scale)`` tokens of each document: the
-      corpus' length distribution, shifted down, at CPU scale (like the synthetic corpus' 1/512);
-    * documents longer than ``max_length`` are cut into consecutive pieces of at most
-      ``max_length`` tokens (no token dropped).
-    """
-
-    def __init__(self, base: Any, max_length: int, length_scale: float = 1.0) -> None:
-        lengths = getattr(base, "lengths", None)
-        lens = np.asarray(lengths if lengths is not None else [base.length(i) for i in range(len(base))],
-                          dtype=np.int64)
-        if length_scale < 1.0:
-            lens = np.maximum(1, np.ceil(lens * length_scale)).astype(np.int64)
-        pieces = np.maximum(1, -(-lens // max_length))
-        self.base = base
-        self.doc = np.repeat(np.arange(len(lens)), pieces)
-        first = np.repeat(np.cumsum(pieces) - pieces, pieces)
-        self.start = (np.arange(len(self.doc)) - first) * max_length
-        self.lengths = np.minimum(lens[self.doc] - self.start, max_length).astype(np.int64)
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def length(self, idx: int) -> int:
-        return int(self.lengths[idx])
-
-    def tokens(self, idx: int, start: int, end: int) -> torch.Tensor:
-        off = int(self.start[idx])
-        return self.base.tokens(int(self.doc[idx]), off + start, off + end)
-
 
 SplitDocuments = DocumentView
 
@@ -92,7 +59,8 @@ def _store_vocab(path: str, store: Any) -> int:
 
 def build_dataset(cfg: TrainConfig, max_len: int) -> Tuple[Any, int, str]:
     """(dataset, vocab size or 0, description) for ``--data``; documents longer than ``max_len``
-    are split. The data service (``--data-spec``) is :func:`open_service`."""
+    are handled as ``data.oversize`` says (the library's :class:`~bytescale.data.DocumentView`:
+    split by default, skipped, or refused). The data service (``--data-spec``) is :func:`open_service`."""
     path = cfg.data.path
     if path is None:
         raise ConfigError("no data: give --data DIR (a token store), --data synthetic:byted, "
@@ -118,10 +86,16 @@ def build_dataset(cfg: TrainConfig, max_len: int) -> Tuple[Any, int, str]:
         store = TokenStore(path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"data.path {path!r}: not a readable token store ({e})") from None
-    ds = DocumentView(store, max_len, cfg.data.length_scale)
+    mode = cfg.data.oversize
+    try:
+        ds = DocumentView(store, max_len, cfg.data.length_scale, oversize=mode)
+    except OversizeError as e:
+        raise ConfigError(f"data.path {path!r}: {e}") from None
     scale = f", lengths x {cfg.data.length_scale:g}" if cfg.data.length_scale < 1 else ""
+    how = {"split": "cut into pieces", "skip": "skipped", "error": "none"}[mode]
     return ds, _store_vocab(path, store), (f"token store {path}: {len(store)} documents{scale} -> {len(ds)} "
-                                           f"documents of <= {max_len} tokens")
+                                           f"documents of <= {max_len} tokens ({len(ds.oversize_ids)} longer: "
+                                           f"{how}, data.oversize={mode})")
 
 
 class LengthRecorder:
@@ -131,6 +105,8 @@ class LengthRecorder:
     def __init__(self, source: Any) -> None:
         self.source = source
         self.lengths: Dict[int, Tuple[int, ...]] = {}
+        # what HDPLoader's oversize handling reads of a data-service client
+        self.source_names, self.longest = getattr(source, "source_names", None), getattr(source, "longest", None)
 
     def next_batch(self):
         b = self.source.next_batch()
@@ -165,11 +141,7 @@ def open_service(cfg: TrainConfig, rank: int):
     if rank == 0:
         try:
             spec = MixingSpec.load(cfg.data.spec)
-            maxes = [s.max_length for s in spec.sources]
-            longest = max(maxes) if all(m is not None for m in maxes) else 0
-            if spec.curriculum and spec.curriculum[-1].until_step is None:  # a cap for the whole run
-                cap = max(st.max_length for st in spec.curriculum)
-                longest = min(longest, cap) if longest else cap
+            longest = spec.longest() or 0
             svc = DataService(spec, tokens_per_batch=cfg.data.tokens_per_batch, seed=cfg.data.seed,
                               workers=cfg.data.workers)
             address = svc.address

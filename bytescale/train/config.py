@@ -82,7 +82,8 @@ DataConfig = _section(
     ("spec", "Optional[str]", _f(None, "a mixing spec file (TOML/YAML/JSON) served by the data service")),
     _lib(LoaderConfig, "tokens_per_batch", default=16384),
     _lib(LoaderConfig, "seed"),
-    ("max_length", "int", _f(0, "longer documents are split into pieces of at most this many tokens "
+    ("max_length", "int", _f(0, "longer documents are handled as data.oversize says (split: pieces of at most "
+                                "this many tokens) "
                                 "(0: capacity x HDP units, the longest a plan can hold; a resumed run "
                                 "keeps its checkpoint's)", min=0)),
     ("length_scale", "float", _f(1.0, "token store: keep the first ceil(length x scale) tokens of each "
@@ -90,6 +91,7 @@ DataConfig = _section(
     ("synthetic_docs", "int", _f(4000, "number of sequences of a synthetic corpus", min=1)),
     ("synthetic_scale", "float", _f(1 / 512, "length scale of a synthetic corpus", min=0.0)),
     _lib(LoaderConfig, "prefetch"),
+    _lib(LoaderConfig, "oversize"),
     ("workers", "int", _f(1, "source workers per source of the data service (--data-spec)", min=1)),
 )
 
@@ -124,7 +126,7 @@ def planner_config(cfg: "TrainConfig", capacity: Optional[int] = None,
 def loader_config(cfg: "TrainConfig") -> LoaderConfig:
     d = cfg.data
     return LoaderConfig(d.tokens_per_batch, seed=d.seed, max_steps=cfg.train.stop_after or cfg.train.steps,
-                        prefetch=d.prefetch, lockstep=cfg.hdp.fsdp or cfg.hdp.ep > 1,
+                        prefetch=d.prefetch, oversize=d.oversize, lockstep=cfg.hdp.fsdp or cfg.hdp.ep > 1,
                         lockstep_group=0 if cfg.hdp.fsdp else (cfg.hdp.ep if cfg.hdp.ep > 1 else 0))
 
 

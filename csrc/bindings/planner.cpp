@@ -8,6 +8,7 @@
 #include <cstring>
 #include <memory>
 
+#include "planner/feasibility.h"
 #include "planner/pipeline.h"
 #include "planner/offload_rule.h"
 #include "planner/planner.h"
@@ -397,6 +398,30 @@ void bind_planner(py::module_& m) {
         return std::make_shared<Plan>(planner::makePlan(v, opt));
       },
       py::arg("lengths"), py::arg("options"));
+
+  m.def(
+      "longest_sequence",
+      [](const PlanOptions& opt) { return planner::Feasibility(opt).longest(); },
+      py::arg("options"),
+      "The largest L such that every sequence of 1..L tokens can be placed by a plan of these options "
+      "(csrc/planner/feasibility.h); 2^40 when all can.");
+  m.def(
+      "sequence_fits",
+      [](const Arr<int64_t>& lengths, const PlanOptions& opt) {
+        if (lengths.ndim() != 1) throw py::value_error("sequence_fits: lengths must be 1-D");
+        const planner::Feasibility f(opt);
+        py::array_t<bool> out(lengths.size());
+        const int64_t* in = lengths.data();
+        bool* o = out.mutable_data();
+        const int64_t n = lengths.size();
+        {
+          py::gil_scoped_release nogil;
+          for (int64_t i = 0; i < n; ++i) o[i] = f.fits(in[i]);
+        }
+        return out;
+      },
+      py::arg("lengths"), py::arg("options"),
+      "Per length: whether a plan of these options can place a sequence of that many tokens.");
 }
 
 }  // namespace bytescale

@@ -9,6 +9,7 @@
 
 #include "attention/zigzag.h"
 #include "planner/builder.h"
+#include "planner/feasibility.h"
 #include "planner/pipeline.h"
 #include "planner/offload_rule.h"
 #include "planner/replay.h"
@@ -175,11 +176,13 @@ Context::Context(const std::vector<int64_t>& lengths, const PlanOptions& o)
                    [&](int64_t a, int64_t b) { return lengths[a] > lengths[b]; });
   // Every sequence must fit the world (a sequence above the largest capacity is sharded over at
   // least its memory minimum at the smallest one).
+  // The rule is the planner's one feasibility rule (feasibility.h), which the data loader applies
+  // to a whole corpus before the first step.
   for (int64_t i : order) {
     const int64_t s = lengths[i];
     if (s <= cap_max) break;
-    const int dmin = memMin(s).ranks;
-    if (dmin > W) {
+    if (!placeable(o, s, cap_min, cap_max)) {
+      const int dmin = memMin(s).ranks;
       std::ostringstream os;
       os << "planner: sequence " << i << " of " << s << " tokens needs " << dmin
          << " ranks at capacity " << cap_min << (o.offload ? " (with offloading)" : "")
