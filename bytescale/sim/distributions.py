@@ -9,7 +9,8 @@ A distribution draws one global batch of document lengths (seeded). Four are bui
   ``exps/dist_attn/benchmark/utils.py``, ``varlen_short_seqlen_distribution`` -- documents up to
   64K, following the ChatQA 2 data (Xu et al. 2024) its blog cites -- and
   ``varlen_long_seqlen_distribution``, "data distribution for seqlen > 64k"). The bins and their
-  document shares are copied below as published; a length is drawn uniformly inside its bin, as
+  document shares are copied below as published (the long one's add up to 1.31: normalised when
+  drawn, as that benchmark's sampler does); a length is drawn uniformly inside its bin, as
   that benchmark's own sampler does.
 
 Anything else is a token store directory or a lengths file (:func:`bytescale.sim.__main__.read_lengths`):

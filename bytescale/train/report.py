@@ -175,6 +175,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 doc = json.load(f)
             print()
             print(compare_table(doc))
+            mine = doc["distributions"].get("this corpus")
+            if mine:
+                speed = next((ln for ln in text.splitlines() if ln.startswith("speed-up ")), "")
+                ring = next((ln for ln in text.splitlines() if ln.startswith("ring attention bytes")), "")
+                print(f"this corpus: measured here (tokens/s on shared CPU cores, load-dependent) "
+                      f"{speed[len('speed-up '):].split(' (')[0] or '-'}; counted {ring or 'ring traffic: -'}; "
+                      f"predicted at scale: HDP + balance / static DP x CP {mine['speedup']['hdp-balance']:.2f}x")
         except (OSError, ValueError, KeyError) as e:
             print(f"bytescale.train.report: error: {a.compare}: {e!r}", file=sys.stderr)
             return 2
