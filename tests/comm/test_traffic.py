@@ -74,6 +74,7 @@ def _count(rank, world, dtype_name):
     return results, snap.rows["grad_sync"], snap.rows["other"]
 
 
+@pytest.mark.nccl_order
 @pytest.mark.parametrize("world,dtype", [(2, "float32"), (3, "float64"), (5, "float32")])
 def test_ring_bytes_equal_what_the_ring_must_move(world, dtype):
     per_rank = run_distributed(_count, world, dtype, timeout=240)
