@@ -213,6 +213,10 @@ def _compare(args: argparse.Namespace, context: int) -> int:
             json.dump(doc, f, indent=1)
         print(f"wrote {args.json}")
     if args.png:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--png needs matplotlib (pip install matplotlib)")
         compare_png(doc, args.png)
         print(f"wrote {args.png}")
     return 0
