@@ -4,7 +4,8 @@ Each top-level package (or single-module distribution) of site-packages, and eac
 package or module of the standard library, becomes ONE document: its source and documentation
 files concatenated in sorted path order, each preceded by a ``# file: <path>`` line. Package sizes
 span five orders of magnitude (a 1 KB module to torch's tens of MB), a heavy tail like the ByteScale
-paper's GitHub corpus. Everything is deterministic for a given installation (sorted paths; package
+paper's GitHub corpus. :func:`package_documents` gives the code-corpus layout instead: one document
+per source file plus one repository-level document per package (``prepare --python-code``). Everything is deterministic for a given installation (sorted paths; package
 selection in a fixed hashed order) and bounded by ``max_packages``, ``max_bytes`` and
 ``max_doc_bytes`` so tests stay fast.
 """
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
-__all__ = ["Package", "python_packages", "package_text"]
+__all__ = ["Package", "python_packages", "package_text", "package_documents"]
 
 SOURCE_SUFFIXES = frozenset({".py", ".pyi", ".pyx", ".pxd", ".c", ".h", ".cc", ".cpp", ".hpp", ".cu", ".cuh",
                              ".md", ".rst", ".txt", ".toml", ".cfg"})
@@ -133,6 +134,23 @@ def package_text(pkg: Package, max_doc_bytes: Optional[int] = None) -> str:
     if max_doc_bytes is not None and len(text) > max_doc_bytes:  # one file larger than the cap
         text = text[:max_doc_bytes]
     return text
+
+
+def package_documents(pkg: Package, max_doc_bytes: Optional[int] = None) -> Iterator[Tuple[str, str]]:
+    """The code-corpus layout of a package: ``(origin, text)`` for each source file as its own
+    document (after its ``# file:`` line; files that are not UTF-8 left out), then, for a package
+    of more than one file, its repository-level document (:func:`package_text`, cut at
+    ``max_doc_bytes``), as long-context code corpora add repository-level documents to file-level
+    ones."""
+    for rel in pkg.files:
+        try:
+            body = (Path(pkg.root) / rel).read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        text = f"# file: {rel}\n{body}\n"
+        yield f"{pkg.name}/{rel}", text[:max_doc_bytes] if max_doc_bytes is not None else text
+    if len(pkg.files) > 1:
+        yield f"{pkg.name} (repository)", package_text(pkg, max_doc_bytes)
 
 
 if __name__ == "__main__":  # a quick look: python -m bytescale.data.corpora

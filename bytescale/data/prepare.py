@@ -3,7 +3,9 @@
 Inputs: jsonl files (one JSON object per line, text in ``--text-field``), parquet files (pyarrow),
 plain text files (one document per file), directories of those, an HF ``datasets`` dataset saved
 with ``save_to_disk`` (needs ``datasets``), or ``--python-packages`` (the installed Python packages
-and standard library, one document per package; see :mod:`bytescale.data.corpora`).
+and standard library, one document per package; see :mod:`bytescale.data.corpora`) or
+``--python-code`` (the same packages as a code corpus: one document per source file plus one
+repository-level document per package, its files concatenated; the main command's default).
 
 Output: ``DIR/data.bin`` + ``DIR/data.idx`` (Megatron's indexed layout, :mod:`.token_store`),
 ``DIR/summary.json`` (counts, skipped records by reason, length distribution) and
@@ -37,7 +39,7 @@ from .records import Unit, iter_unit, plan_units
 from .token_store import TokenStore, TokenStoreWriter, dtype_for_vocab
 from .tokenizer import load_tokenizer
 
-__all__ = ["prepare", "length_summary", "plot_lengths", "main"]
+__all__ = ["prepare", "length_summary", "histogram_text", "plot_lengths", "main"]
 
 log = logging.getLogger("bytescale.data.prepare")
 MAX_LOGGED_SKIPS = 1000  # per run; later skips are counted only
@@ -100,6 +102,27 @@ def length_summary(lengths: np.ndarray) -> Dict[str, Any]:
             **pct, "max": int(x.max()), **shares}
 
 
+def histogram_text(lengths: np.ndarray) -> str:
+    """A printable histogram: documents and tokens per length band (powers of four)."""
+    x = np.asarray(lengths, dtype=np.int64)
+    x = x[x > 0]
+    tot = max(int(x.sum()), 1)
+    edges = [0, 256, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 1 << 62]
+
+    def fmt(n: int) -> str:
+        return "inf" if n >= 1 << 62 else f"{n >> 20}M" if n >= 1 << 20 else f"{n >> 10}K" if n >= 1024 else str(n)
+
+    lines = [f"{'length (tokens)':>16} {'documents':>10} {'share':>6} {'tokens':>7}"]
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        sel = (x > lo) & (x <= hi)
+        if not sel.any():
+            continue
+        share = x[sel].sum() / tot
+        lines.append(f"{fmt(lo) + ' - ' + fmt(hi):>16} {int(sel.sum()):>10} {sel.mean():>6.1%} {share:>7.1%}  "
+                     + "#" * int(round(40 * share)))
+    return "\n".join(lines)
+
+
 def plot_lengths(lengths: np.ndarray, path: Path, title: str) -> None:
     """Histogram PNG: documents and tokens per log2 length bin."""
     import matplotlib
@@ -126,18 +149,20 @@ def prepare(inputs: Sequence[str], output: str, tokenizer: str = "bytes", worker
             text_field: str = "text", max_length: Optional[int] = None, python_packages: bool = False,
             max_packages: Optional[int] = None, max_bytes: Optional[int] = None,
             max_doc_bytes: Optional[int] = None, unit_bytes: int = 32 << 20, overwrite: bool = False,
-            progress: bool = True, plot: bool = True) -> Dict[str, Any]:
+            progress: bool = True, plot: bool = True, python_code: bool = False) -> Dict[str, Any]:
     """Tokenize ``inputs`` into a token store in ``output``; returns the summary (also in
     ``output/summary.json``). Resumes an interrupted run with the same arguments."""
     tok = load_tokenizer(tokenizer)  # fails now, with the path, if unreadable
-    if not inputs and not python_packages:
-        raise ValueError("prepare: no input (give files/directories or --python-packages)")
+    if python_packages and python_code:
+        raise ValueError("prepare: --python-packages and --python-code are two layouts of one corpus; give one")
+    if not inputs and not (python_packages or python_code):
+        raise ValueError("prepare: no input (give files/directories, --python-packages or --python-code)")
     packages = []
-    if python_packages:
+    if python_packages or python_code:
         from .corpora import python_packages as find
 
         packages = find(max_packages=max_packages, max_bytes=max_bytes)
-    units = plan_units(inputs, text_field, unit_bytes, packages)
+    units = plan_units(inputs, text_field, unit_bytes, packages, code_layout=python_code)
     dtype = dtype_for_vocab(tok.vocab_size)
     options = {"tokenizer": tok.name, "vocab_size": tok.vocab_size, "text_field": text_field,
                "max_length": max_length, "max_doc_bytes": max_doc_bytes, "dtype": dtype.name}
@@ -229,19 +254,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--text-field", default="text", help="the text column / JSON key")
     ap.add_argument("--max-length", type=int, default=None, help="skip documents longer than this (tokens)")
     ap.add_argument("--python-packages", action="store_true", help="add the installed Python packages corpus")
+    ap.add_argument("--python-code", action="store_true", help="add the installed Python packages as a code "
+                    "corpus: a document per source file plus a repository-level document per package")
     ap.add_argument("--max-packages", type=int, default=None, help="python packages: at most this many packages")
     ap.add_argument("--max-bytes", type=int, default=None, help="python packages: stop adding packages past this size")
-    ap.add_argument("--max-doc-bytes", type=int, default=None, help="python packages: cut a package's document here")
+    ap.add_argument("--max-doc-bytes", type=int, default=None, help="python packages / code: cut a document here")
     ap.add_argument("--unit-bytes", type=int, default=32 << 20, help="bytes of jsonl/text per work unit")
     ap.add_argument("--overwrite", action="store_true", help="discard an existing store or interrupted run in --output")
+    ap.add_argument("--describe", action="store_true", help="print the length histogram of the store in --output "
+                    "and exit")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--no-plot", action="store_true")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if a.describe:
+        try:
+            store = TokenStore(a.output)
+        except (OSError, ValueError) as e:
+            log.error("error: %s: %s", a.output, e)
+            return 2
+        print(f"{a.output}: {len(store)} documents, {int(store.lengths.sum()):,} tokens; lengths.png draws it")
+        print(histogram_text(store.lengths))
+        return 0
     try:
         prepare(a.inputs, a.output, a.tokenizer, a.workers, a.text_field, a.max_length, a.python_packages,
                 a.max_packages, a.max_bytes, a.max_doc_bytes, a.unit_bytes, a.overwrite,
-                progress=not a.no_progress, plot=not a.no_plot)
+                progress=not a.no_progress, plot=not a.no_plot, python_code=a.python_code)
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         log.error("error: %s", e)
         return 2

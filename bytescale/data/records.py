@@ -95,8 +95,9 @@ def _load_hf(path: Path):
 
 
 def plan_units(inputs: Sequence[str], text_field: str = "text", unit_bytes: int = 32 << 20,
-               packages: Sequence = ()) -> List[Unit]:
-    """Split inputs into units, deterministically (file order as given, directories sorted)."""
+               packages: Sequence = (), code_layout: bool = False) -> List[Unit]:
+    """Split inputs into units, deterministically (file order as given, directories sorted).
+    ``code_layout``: packages as files plus repository documents (:func:`.corpora.package_documents`)."""
     units: List[Unit] = []
     text_batch: List[str] = []
     text_size = 0
@@ -130,7 +131,8 @@ def plan_units(inputs: Sequence[str], text_field: str = "text", unit_bytes: int 
             if text_size >= unit_bytes:
                 flush_text()
     flush_text()
-    units += [Unit("pypkg", package=(pk.name, pk.root, tuple(pk.files))) for pk in packages]
+    kind = "pycode" if code_layout else "pypkg"
+    units += [Unit(kind, package=(pk.name, pk.root, tuple(pk.files))) for pk in packages]
     return units
 
 
@@ -227,6 +229,12 @@ def iter_unit(unit: Unit, text_field: str = "text", max_doc_bytes: Optional[int]
 
         name, root, files = unit.package
         yield _text(f"{PYPKG}:{name}", package_text(Package(name, root, tuple(files), 0), max_doc_bytes))
+    elif unit.kind == "pycode":
+        from .corpora import Package, package_documents
+
+        name, root, files = unit.package
+        for origin, text in package_documents(Package(name, root, tuple(files), 0), max_doc_bytes):
+            yield _text(f"{PYPKG}:{origin}", text)
     else:
         raise ValueError(f"unknown unit kind {unit.kind!r}")
 

@@ -53,6 +53,7 @@ import torch.nn as nn
 
 from ..attention.api import micro_batch_context
 from ..attention.layout import Layout
+from ..comm.traffic import traffic_scope
 from ..config import RuntimeConfig
 from .types import MicroBatch
 from .offload import offload
@@ -292,7 +293,8 @@ class HybridDataParallel(nn.Module):
             else:
                 view.copy_(_grad_local(p).reshape(-1))
         b.buffer = buf
-        b.work = dist.all_reduce(buf, group=b.group, async_op=True)
+        with traffic_scope("grad_sync"):  # counted as gradient sync (bytescale.comm.traffic)
+            b.work = dist.all_reduce(buf, group=b.group, async_op=True)
         b.launched = True
 
     def finish_step(self) -> None:

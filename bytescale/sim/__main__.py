@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bytescale.sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--compare", help="distributions side by side (bytescale.sim.compare): a comma-separated "
+                     "list of byted, github, magi-short, magi-long and token stores / lengths files (NAME=PATH "
+                     "names one); one --global-batch-tokens batch each; --json, --png as usual")
     src.add_argument("--corpus", help="synthetic corpus: byted or github")
     src.add_argument("--lengths", help="file of sequence lengths (one global batch), or a token store "
                      "directory (its documents' lengths)")
@@ -125,6 +128,8 @@ def _run(args: argparse.Namespace) -> int:
     from .strategies import split_at_context
 
     context = parse_tokens(args.context, "context")
+    if args.compare:
+        return _compare(args, context)
     known = list(STRATEGIES) + list(PP_STRATEGIES)
     names = ((list(STRATEGIES) + (list(PP_STRATEGIES) if args.pp > 1 else [])) if args.strategy == "all"
              else [s.strip() for s in args.strategy.split(",")])
@@ -184,6 +189,35 @@ def _run(args: argparse.Namespace) -> int:
         if importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--png needs matplotlib (pip install matplotlib)")
         timeline_png(results, args.png, args.max_ranks_drawn, title=head.split(";")[0])
+        print(f"wrote {args.png}")
+    return 0
+
+
+def _compare(args: argparse.Namespace, context: int) -> int:
+    from .compare import compare_distributions, compare_png, compare_table
+
+    items, labels = [], {}
+    for it in (x.strip() for x in args.compare.split(",") if x.strip()):
+        name, sep, path = it.partition("=")
+        items.append(path if sep else it)
+        if sep:
+            labels[path] = name
+    t0 = time.perf_counter()
+    doc = compare_distributions(items, model=args.model, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+                                context=context, tokens=parse_tokens(args.global_batch_tokens, "global-batch-tokens"),
+                                seed=args.seed, cluster=args.cluster, labels=labels)
+    doc["config"]["simulation_s"] = time.perf_counter() - t0
+    print(compare_table(doc))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.png:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--png needs matplotlib (pip install matplotlib)")
+        compare_png(doc, args.png)
         print(f"wrote {args.png}")
     return 0
 

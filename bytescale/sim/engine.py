@@ -250,12 +250,13 @@ def simulate(s: Schedule, cl: ClusterSpec, shape: ModelShape, cost: Any, tokens:
         # the first stage's view: a micro-batch from its forward to its backward there
         rep_start = np.asarray(prep.fwd_start).reshape(-1, pp)[:, 0]
         rep_end = np.asarray(prep.bwd_end).reshape(-1, pp)[:, 0]
-    elif ep > 1:
+    elif ep > 1 or s.info.get("lockstep"):
         from ..planner import ep_slot_replay, schedule_lockstep, sort_local_slots
 
         slots = sort_local_slots(schedule_lockstep(s.world, s.rank_mb, s.mb_ring, s.ring_grp, s.grp_ranks),
                                  s.mb_ring, dur)
-        r = ep_slot_replay(slots, ep, s.rank_mb, s.mb_ring, dur)
+        # EP: blocks of ep units in lockstep; the paper's rows before its balance scheduler: the world
+        r = ep_slot_replay(slots, ep if ep > 1 else s.world, s.rank_mb, s.mb_ring, dur)
         rep_start, rep_end, rep_step = r.start, r.end, r.step_time
     else:
         rep = _C.planner.replay_schedule(s.world, s.rank_mb, s.mb_ring, s.ring_grp, s.grp_ranks,

@@ -18,6 +18,15 @@ hdp-balance   + the balance scheduler (bytescale's sync-aware ``strategy="balanc
 hdp-full      + remote data loading: the same plan, the data-loading stall overlapped
 ============  =======================================================================================
 
+The paper's own rows before the balance scheduler (:data:`LOCKSTEP_STRATEGIES`): without it every
+rank runs the same number of micro-batches in lockstep, gradient-accumulation style (a slot ends
+when its slowest rank does), which is what the balance scheduler removes:
+
+=====================  ==============================================================================
+hdp-lockstep           ``hdp``'s plan (``naive``), every rank's micro-batches in world lockstep slots
+hdp-offload-lockstep   ``hdp-offload``'s plan in world lockstep slots
+=====================  ==============================================================================
+
 With pipeline parallelism (``pp`` > 1) every strategy plans PIPELINES (the HDP units of one stage)
 with the stage's cost model and gets 1F1B slots (static: DP x CP x TP x PP, each CP group's
 micro-batches through its pipelines; the HDP strategies: DP-Balance's per-pipeline order, rings
@@ -35,12 +44,12 @@ documents), the ring size, the offload ratio and the number of documents.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Optional, Tuple, Union
 
 import numpy as np
 
-__all__ = ["STRATEGIES", "PP_STRATEGIES", "Schedule", "build_schedule", "schedule_from_plan", "static_schedule", "split_at_context"]
+__all__ = ["STRATEGIES", "PP_STRATEGIES", "LOCKSTEP_STRATEGIES", "Schedule", "build_schedule", "schedule_from_plan", "static_schedule", "split_at_context"]
 
 # name -> (planner strategy or "static", offload (False, True = the "step" rule, or a rule's name),
 # loader model)
@@ -53,6 +62,9 @@ STRATEGIES: Dict[str, Tuple[str, Union[bool, str], str]] = {
     "hdp-balance": ("balanced", True, "global"),
     "hdp-full": ("balanced", True, "remote"),
 }
+
+# the paper's rows before the balance scheduler: the plan of the named strategy in world lockstep
+LOCKSTEP_STRATEGIES: Dict[str, str] = {"hdp-lockstep": "hdp", "hdp-offload-lockstep": "hdp-offload"}
 
 # the pipeline schedules' comparison (any pp; part of "all" when pp > 1)
 PP_STRATEGIES: Dict[str, Tuple[str, bool, str]] = {
@@ -183,9 +195,15 @@ def build_schedule(name: str, lengths: np.ndarray, world: int, capacity: int, co
     hdp-full share one plan. Raises ValueError for an unknown strategy or a batch that does not fit
     (e.g. a sequence needing more ranks than exist).
     """
+    if name in LOCKSTEP_STRATEGIES:
+        if pp > 1:
+            raise ValueError(f"strategy {name!r} is for pp = 1 (with pipelines use lockstep)")
+        sched = build_schedule(LOCKSTEP_STRATEGIES[name], lengths, world, capacity, cost, plans)
+        return replace(sched, strategy=name, info={**sched.info, "lockstep": True})
     table = {**STRATEGIES, **PP_STRATEGIES}
     if name not in table:
-        raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(table)} or all")
+        raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(list(table) + list(LOCKSTEP_STRATEGIES))} "
+                         "or all")
     kind, offload, loader = table[name]
     lengths = np.asarray(lengths, dtype=np.int64)
     if kind == "static":

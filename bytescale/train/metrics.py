@@ -6,6 +6,13 @@ gradient norm, global tokens, tokens/s, MFU, data-wait time (the longest any ran
 micro-batches), measured imbalance (max/mean of the ranks' compute time), micro-batches per rank
 and the plan's one-line summary.
 
+Measured traffic (counted by the transport, bytescale.comm.traffic; exact and independent of the
+machine's load), per step: ``comm_bytes`` (bytes all ranks sent for ring attention's K/V in the
+forward and again in the backward, its dK/dV accumulators, and the gradient all-reduce payload),
+``ring_steps`` and ``ring_wait_s`` per rank (ring exchanges run, time blocked waiting for ring
+partners), and ``local_token_share`` (tokens of documents no rank shares: they never leave their
+rank).
+
 MFU = model FLOPs of the step / (step time x world size x peak FLOP/s of one device). Model FLOPs
 are the usual 6 x (parameters outside the embedding, only the experts a token uses) per token plus
 causal attention, 6 x layers x heads x head_dim x L^2 per document of L tokens (forward 2 L^2 h d,
@@ -24,7 +31,11 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-__all__ = ["FlopsModel", "peak_flops", "MetricsLogger", "read_jsonl", "plot_runs", "truncate_jsonl"]
+__all__ = ["FlopsModel", "peak_flops", "MetricsLogger", "read_jsonl", "plot_runs", "truncate_jsonl",
+           "traffic_row", "traffic_fields"]
+
+# the purposes of bytescale.comm.traffic a step reports (bytes sent), then ring steps and ring wait
+_SENT = ("ring_kv_fwd", "ring_kv_bwd", "ring_dkv_bwd", "grad_sync")
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,23 @@ def peak_flops(device: torch.device, given_tflops: float = 0.0) -> float:
             return 312e12
         return 100e12
     return 0.1e12
+
+
+def traffic_row(moved: Any) -> List[float]:
+    """One rank's step traffic (a :class:`bytescale.comm.traffic.Traffic`) as numbers to all-gather."""
+    return [float(moved.sent(p)) for p in _SENT] + [float(moved.ring_steps), moved.ring_wait_s]
+
+
+def _ring_mb(rec: Dict[str, Any]) -> float:
+    return sum(v for k, v in (rec.get("comm_bytes") or {}).items() if k.startswith("ring")) / 1e6
+
+
+def traffic_fields(table: torch.Tensor) -> Dict[str, Any]:
+    """The step record's traffic fields from every rank's :func:`traffic_row` (one row per rank)."""
+    k = len(_SENT)
+    return {"comm_bytes": {p: int(table[:, i].sum()) for i, p in enumerate(_SENT)},
+            "ring_steps": [int(x) for x in table[:, k].tolist()],
+            "ring_wait_s": [round(float(x), 6) for x in table[:, k + 1].tolist()]}
 
 
 def read_jsonl(path: str) -> List[Dict[str, Any]]:
@@ -153,7 +181,8 @@ class MetricsLogger:
             self.print(f"[{self.name}] step {rec['step']:4d} | loss {rec['loss']:.4f} |{aux} "
                        f"{rec['tokens_per_s']:8.0f} tok/s | mfu {100 * rec['mfu']:5.2f}% | "
                        f"wait {1e3 * rec['data_wait_s']:6.1f} ms | lr {rec['lr']:.2e} | "
-                       f"imb {rec['imbalance']:.2f} | {plan_summary}")
+                       f"imb {rec['imbalance']:.2f} | ring {_ring_mb(rec):.1f} MB, wait "
+                       f"{1e3 * max(rec.get('ring_wait_s') or [0]):.0f} ms | {plan_summary}")
 
     def close(self) -> None:
         if self._bar is not None:

@@ -7,7 +7,11 @@ tokens, that no rank shares: local) over the steps after the first ``--skip`` (w
 restricted to the steps every run has (the same global batches); then the speed-up of the first
 run over each other one, and a PNG of loss and throughput over steps. ``--sim`` adds what
 ``python -m bytescale.sim --json`` predicted at cluster scale, per strategy, with the same layout
-columns, and one line setting the measured speed-up next to the predicted one.
+columns, and one line setting the measured speed-up next to the predicted one. Runs whose records
+carry the transport's counters (the trainer's ``comm_bytes``, ``ring_steps``, ``ring_wait_s``,
+``local_token_share``) get a second table: bytes moved by ring attention and gradient sync, ring
+steps and each rank's ring waiting per step, and the share of tokens that never leave their rank.
+``--compare`` prints ``python -m bytescale.sim --compare``'s predictions on several distributions.
 """
 from __future__ import annotations
 
@@ -38,6 +42,32 @@ def _layout(sel: List[dict]) -> str:
     return f"{loc_s:>6.0%} / {loc_t:>4.0%}"
 
 
+def _traffic_lines(runs: Dict[str, List[dict]], steps: List[int]) -> List[str]:
+    """Measured traffic per step, means over ``steps`` (runs without the fields are left out)."""
+    rows, ring_mb = [], {}
+    for name, recs in runs.items():
+        by = {r["step"]: r for r in recs}
+        sel = [by[s] for s in steps if "comm_bytes" in by[s]]
+        if not sel:
+            continue
+        mb = {k: mean(r["comm_bytes"][k] for r in sel) / 1e6 for k in sel[0]["comm_bytes"]}
+        ring = ring_mb[name] = mb["ring_kv_fwd"] + mb["ring_kv_bwd"] + mb["ring_dkv_bwd"]
+        ring_steps = mean(mean(r["ring_steps"]) for r in sel)
+        waits = [mean(r["ring_wait_s"][k] for r in sel) for k in range(len(sel[0]["ring_wait_s"]))]
+        local = mean(r["local_token_share"] for r in sel)
+        rows.append(f"{name:<24} {ring:>9.2f} {mb['ring_kv_fwd']:>8.2f} {mb['ring_kv_bwd']:>8.2f} "
+                    f"{mb['ring_dkv_bwd']:>8.2f} {mb['grad_sync']:>8.2f} {ring_steps:>10.1f} "
+                    f"{1e3 * min(waits):>6.0f}-{1e3 * max(waits):<6.0f} {local:>6.0%}")
+    if not rows:
+        return []
+    names = list(ring_mb)
+    ratios = [f"{n} / {names[0]}: {ring_mb[n] / ring_mb[names[0]]:.2f}x" for n in names[1:] if ring_mb[names[0]] > 0]
+    return ["measured per step, counted by the transport (independent of the machine's load; MB summed over ranks):",
+            f"{'run':<24} {'ring MB':>9} {'K/V fwd':>8} {'K/V bwd':>8} {'dK/dV':>8} {'grad MB':>8} "
+            f"{'ring steps':>10} {'wait ms/rank':>13} {'local tokens':>12}"] + rows + \
+        ([f"ring attention bytes per step, {', '.join(ratios)}"] if ratios else [])
+
+
 def compare(runs: Dict[str, List[dict]], skip: int = 2) -> str:
     """The side-by-side table (module docstring) as text."""
     common = set.intersection(*(set(r["step"] for r in recs) for recs in runs.values()))
@@ -57,6 +87,9 @@ def compare(runs: Dict[str, List[dict]], skip: int = 2) -> str:
                      f"{speed[name]:>9.0f} {100 * mean(r['mfu'] for r in sel):>6.2f}% "
                      f"{1e3 * mean(r['data_wait_s'] for r in sel):>7.1f} ms {mean(r['imbalance'] for r in sel):>9.2f}"
                      f"  {_layout(sel)}")
+    traffic = _traffic_lines(runs, steps)
+    if traffic:
+        lines += traffic
     names = list(runs)
     for other in names[1:]:
         lines.append(f"speed-up {names[0]} / {other}: {speed[names[0]] / speed[other]:.2f}x "
@@ -98,6 +131,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--plot", help="PNG of loss and throughput over steps")
     ap.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the means")
     ap.add_argument("--sim", help="JSON of python -m bytescale.sim --json: print its prediction after the runs")
+    ap.add_argument("--compare", help="JSON of python -m bytescale.sim --compare --json: print the predictions on "
+                    "several distributions last")
     a = ap.parse_args(argv)
     runs = {}
     for item in a.runs:
@@ -131,6 +166,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(sim_summary(doc, note))
         except (OSError, ValueError, KeyError) as e:
             print(f"bytescale.train.report: error: {a.sim}: {e!r}", file=sys.stderr)
+            return 2
+    if a.compare:
+        try:
+            from ..sim.compare import compare_table
+
+            with open(a.compare) as f:
+                doc = json.load(f)
+            print()
+            print(compare_table(doc))
+            mine = doc["distributions"].get("this corpus")
+            if mine:
+                speed = next((ln for ln in text.splitlines() if ln.startswith("speed-up ")), "")
+                ring = next((ln for ln in text.splitlines() if ln.startswith("ring attention bytes")), "")
+                print(f"this corpus: measured here (tokens/s on shared CPU cores, load-dependent) "
+                      f"{speed[len('speed-up '):].split(' (')[0] or '-'}; counted {ring or 'ring traffic: -'}; "
+                      f"predicted at scale: HDP + balance / static DP x CP {mine['speedup']['hdp-balance']:.2f}x")
+        except (OSError, ValueError, KeyError) as e:
+            print(f"bytescale.train.report: error: {a.compare}: {e!r}", file=sys.stderr)
             return 2
     return 0
 

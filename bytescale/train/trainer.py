@@ -30,7 +30,8 @@ import torch.distributed as dist
 from .build import LengthRecorder, build_dataset, build_model, build_optimizer, open_service, parallelize
 from .checkpoint import AppState, Checkpointer, CheckpointError, list_checkpoints, read_manifest, validate
 from .config import ConfigError, TrainConfig
-from .metrics import MetricsLogger, peak_flops, plot_runs
+from ..comm.traffic import traffic
+from .metrics import MetricsLogger, peak_flops, plot_runs, traffic_fields, traffic_row
 
 __all__ = ["Trainer", "init_distributed", "train_timeout"]
 
@@ -349,6 +350,7 @@ class Trainer:
         cfg = self.cfg
         last = cfg.train.stop_after or cfg.train.steps
         it = iter(self.loader)
+        traffic(reset=True)  # the first step's counts start here
         while self.step < last:
             t0 = time.perf_counter()
             step = next(it)
@@ -363,8 +365,9 @@ class Trainer:
             # every TP rank of a unit computes the unit's loss: count it once (TP index 0); with
             # pipelines only the last stage has a loss (the others report 0)
             first = float(self.mesh.coords()["tp"] == 0)
+            moved = traffic(reset=True)  # this step's, counted by the transport (before the all-gather)
             mine = torch.tensor([out["loss"] * first, out["aux"] * first, out["compute"], wait, elapsed,
-                                 out["mbs"]], dtype=torch.float64)
+                                 out["mbs"], *traffic_row(moved)], dtype=torch.float64)
             table = [torch.zeros_like(mine) for _ in range(self.world)]
             dist.all_gather(table, mine)
             t = torch.stack(table)
@@ -384,6 +387,8 @@ class Trainer:
                    "ring_sizes": sorted(rings.values(), reverse=True)[:8],
                    "sequences": len(lengths), "sharded_sequences": len(rings),
                    "sharded_tokens": int(sum(lengths[i] for i in rings if i < len(lengths)))}
+            rec.update(traffic_fields(t[:, 6:]),
+                       local_token_share=1 - rec["sharded_tokens"] / max(step.global_tokens, 1))
             if self.device.type == "cuda":  # this rank's peak device memory in the step
                 rec["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
                 rec["max_memory_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30

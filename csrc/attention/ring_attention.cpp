@@ -20,6 +20,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <chrono>
 #include <exception>
 #include <limits>
 #include <optional>
@@ -31,6 +32,7 @@
 #include "attention/zigzag.h"
 #include "comm/agreement.h"
 #include "comm/schedule.h"
+#include "comm/traffic.h"
 #include "comm/transport.h"
 
 namespace bytescale {
@@ -116,6 +118,14 @@ Ring makeRing(c10::IntArrayRef ranks, const at::Tensor& q, const char* op) {
 }
 
 int64_t mod(int64_t a, int64_t n) { return ((a % n) + n) % n; }
+
+// Waits for a ring exchange, adding the time blocked to the traffic counters (comm/traffic.h).
+void timedWait(comm::PendingExchange& p) {
+  const auto t0 = std::chrono::steady_clock::now();
+  p.wait();
+  comm::countRingWait(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now() - t0).count());
+}
 
 }  // namespace
 
@@ -239,13 +249,14 @@ std::tuple<at::Tensor, at::Tensor> ringFwd(const at::Tensor& q, const at::Tensor
     int64_t nsrc = mod(me - s - 1, n);
     if (s + 1 < n) {
       buf = at::empty({2 * zigzag::shard_tokens(lens, n, nsrc), k.size(1), k.size(2)}, k.options());
+      comm::TrafficScope scope(comm::Traffic::kRingKvFwd);
       pending = ring.tr->ringStep(cur, next, buf, prev, ring.what);
     }
     const int64_t t = cur.size(0) / 2;
     forwardStep(q, cur.narrow(0, 0, t), cur.narrow(0, t, t), BlockPair{lens, n, me, src, causal},
                 sc, out, lse);
     if (pending) {
-      pending->wait();
+      timedWait(*pending);
       cur = buf;
       src = nsrc;
     }
@@ -288,6 +299,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ringBwd(
     at::Tensor kv_buf;
     if (s + 1 < n) {
       kv_buf = at::empty({2 * nt, k.size(1), k.size(2)}, k.options());
+      comm::TrafficScope scope(comm::Traffic::kRingKvBwd);
       pending_kv = ring.tr->ringStep(cur, next, kv_buf, prev, ring.what);
     }
     const int64_t t = cur.size(0) / 2;
@@ -296,20 +308,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ringBwd(
     backwardStep(dout, q, cur.narrow(0, 0, t), cur.narrow(0, t, t), out, lse, delta,
                  BlockPair{lens, n, me, src, causal}, sc, dq, dk, dv);
     if (pending_acc) {  // block src's accumulator, sent by the previous rank one step ago
-      pending_acc->wait();
+      timedWait(*pending_acc);
       part.add_(acc_recv);
     }
     // Pass it on; the next block's accumulator arrives from prev. After N hops it is home.
     acc_send = comm_dt == acc ? part : part.to(comm_dt);
     acc_recv = at::empty({2 * nt, k.size(1), k.size(2)}, q.options().dtype(comm_dt));
-    pending_acc = ring.tr->ringStep(acc_send, next, acc_recv, prev, ring.what + " (dK/dV)");
+    {
+      comm::TrafficScope scope(comm::Traffic::kRingDkvBwd);
+      pending_acc = ring.tr->ringStep(acc_send, next, acc_recv, prev, ring.what + " (dK/dV)");
+    }
     if (pending_kv) {
-      pending_kv->wait();
+      timedWait(*pending_kv);
       cur = kv_buf;
       src = nsrc;
     }
   }
-  pending_acc->wait();
+  timedWait(*pending_acc);
   at::Tensor dkv = acc_recv.to(acc);
   const int64_t own = k.size(0);
   TORCH_CHECK(dkv.size(0) == 2 * own, "bytescale ", ring.what, ": internal error, dK/dV of ",

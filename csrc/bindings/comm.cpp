@@ -14,6 +14,7 @@
 #include "comm/schedule.h"
 #include "comm/staged_transport.h"
 #include "comm/group_ops.h"
+#include "comm/traffic.h"
 #include "common/env.h"
 
 namespace py = pybind11;
@@ -221,6 +222,37 @@ void bind_comm(py::module_& m) {
   m.def("set_collective_checks", &comm::setChecksEnabled, py::arg("enabled"),
         "Turn the cross-rank consistency check of CPU collectives on or off (default on; env "
         "BYTESCALE_CHECK_COLLECTIVES=0). Set it identically on every rank.");
+
+  // Traffic counters (comm/traffic.h).
+  m.def(
+      "traffic_snapshot",
+      [](bool reset) {
+        const auto snap = comm::trafficSnapshot(reset);
+        py::dict out;
+        for (int i = 0; i < static_cast<int>(comm::Traffic::kCount); ++i) {
+          const auto& r = snap.rows[i];
+          out[comm::trafficName(static_cast<comm::Traffic>(i))] =
+              py::make_tuple(r.sent_bytes, r.recv_bytes, r.ops);
+        }
+        out["ring_wait_ns"] = snap.ring_wait_ns;
+        return out;
+      },
+      py::arg("reset") = false,
+      "This process's traffic counters: {purpose: (bytes sent, bytes received, ring steps or "
+      "collectives)} plus ring_wait_ns; reset=True restarts them from zero.");
+  m.def(
+      "set_traffic_scope",
+      [](const std::string& name) {
+        const char* prev = comm::trafficName(comm::TrafficScope::current());
+        int found = -1;
+        for (int i = 0; i < static_cast<int>(comm::Traffic::kCount); ++i)
+          if (name == comm::trafficName(static_cast<comm::Traffic>(i))) found = i;
+        TORCH_CHECK(found >= 0, "bytescale set_traffic_scope: unknown purpose '", name, "'");
+        comm::setTrafficScope(static_cast<comm::Traffic>(found));
+        return std::string(prev);
+      },
+      py::arg("purpose"),
+      "Set the purpose the calling thread's traffic is counted under; returns the previous one.");
 
   // Schedules, exposed for tests and introspection.
   m.def(

@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "comm/special_ops.h"
+#include "comm/traffic.h"
 
 namespace bytescale {
 namespace comm {
@@ -18,6 +19,14 @@ std::string describeGroup(const RankMap& g, const std::string& kind) {
   for (int i = 0; i < kShown - 1; ++i) os << g.ranks()[i] << ", ";
   os << "..., " << g.ranks().back() << "] (" << g.size() << " ranks)";
   return os.str();
+}
+
+// The bytes a collective's tensors hold (its payload, for the traffic counters).
+int64_t payloadBytes(const std::vector<at::Tensor>& ts) {
+  int64_t n = 0;
+  for (const auto& t : ts)
+    if (t.defined() && !t.is_sparse()) n += static_cast<int64_t>(t.nbytes());
+  return n;
 }
 
 std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& lists) {
@@ -114,6 +123,7 @@ c10::intrusive_ptr<c10d::Work> CollectiveBackend::submit(Collective c,
   c.timeout = op_timeout > std::chrono::milliseconds(0) ? op_timeout : timeout_;
   validate(c, *group_);
   seq_.fetch_add(1);
+  countTraffic(TrafficScope::current(), payloadBytes(c.inputs), payloadBytes(c.outputs));
   auto work = execute(std::move(c));
   std::lock_guard<std::mutex> g(coalesce_mu_);
   if (coalescer_.active()) coalescer_.addCollective(work);

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "comm/schedule.h"
+#include "comm/traffic.h"
 
 namespace bytescale {
 namespace comm {
@@ -101,6 +102,9 @@ class Transport {
   // `prev` (either side may be undefined to skip it). next == prev is fine (2-member rings).
   std::unique_ptr<PendingExchange> ringStep(const at::Tensor& send, int next, const at::Tensor& recv,
                                             int prev, const std::string& what) {
+    // One ring step, counted under the calling thread's TrafficScope (comm/traffic.h).
+    countTraffic(TrafficScope::current(), send.defined() ? static_cast<int64_t>(send.nbytes()) : 0,
+                 recv.defined() ? static_cast<int64_t>(recv.nbytes()) : 0);
     return exchange(ringStepOps(send, next, recv, prev), what);
   }
   static std::vector<P2POp> ringStepOps(const at::Tensor& send, int next, const at::Tensor& recv,

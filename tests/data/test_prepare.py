@@ -155,3 +155,32 @@ def test_python_packages_corpus(tmp_path):
     got = _decoded(tmp_path / "out")
     assert got == [package_text(p, 100_000) for p in pk]
     assert all(t.startswith("# file: ") for t in got) and (tmp_path / "out" / "lengths.png").exists()
+
+
+def test_python_code_corpus_files_plus_repositories(tmp_path, capsys):
+    from bytescale.data.corpora import package_documents
+    from bytescale.data.prepare import main
+
+    pk = python_packages(max_bytes=400_000)
+    s = prepare([], str(tmp_path / "out"), python_code=True, max_bytes=400_000, max_doc_bytes=30_000,
+                progress=False, plot=False)
+    got = _decoded(tmp_path / "out")
+    want = [text for p in pk for _, text in package_documents(p, 30_000)]
+    assert got == want and s["documents"] == len(want)
+    # every UTF-8 file is a document of its own, and a package of several files adds its repository
+    def readable(p, rel):
+        try:
+            (Path(p.root) / rel).read_bytes().decode("utf-8")
+            return True
+        except UnicodeDecodeError:
+            return False
+
+    files = sum(readable(p, rel) for p in pk for rel in p.files)
+    repos = [package_text(p, 30_000) for p in pk if len(p.files) > 1]
+    assert len(got) == files + len(repos) and all(r in got for r in repos) and repos
+    assert max(len(t.encode()) for t in got) <= 30_000 * 4  # cut at the cap (characters, UTF-8 at most 4 bytes)
+    with pytest.raises(ValueError, match="two layouts"):
+        prepare([], str(tmp_path / "x"), python_code=True, python_packages=True)
+    assert main(["--output", str(tmp_path / "out"), "--describe"]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(want)} documents" in out and "length (tokens)" in out

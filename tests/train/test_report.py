@@ -62,3 +62,36 @@ def test_report_with_the_simulators_prediction(tmp_path, capsys):
     assert (f"measured here: HDP / static DPxCP: 1.20x; predicted at scale: HDP + balance / static DP x CP: "
             f"{want:.2f}x") in out, out
     assert main([f"HDP={a}", "--sim", str(tmp_path / "missing.json")]) == 2
+
+
+def _with_traffic(recs, ring_mb, wait_s):
+    for r in recs:
+        r.update(comm_bytes={"ring_kv_fwd": ring_mb * 1e6 / 4, "ring_kv_bwd": ring_mb * 1e6 / 4,
+                             "ring_dkv_bwd": ring_mb * 1e6 / 2, "grad_sync": 2e6},
+                 ring_steps=[4, 6], ring_wait_s=list(wait_s), local_token_share=1 - r["sharded_tokens"] / r["tokens"])
+    return recs
+
+
+def test_report_prints_the_counted_traffic_and_the_distributions(tmp_path, capsys):
+    text = compare({"HDP": _with_traffic(_records(0.5, 3, 400), 2.0, (0.02, 0.05)),
+                    "static": _with_traffic(_records(0.8, 10, 1000), 20.0, (0.8, 1.2))}, skip=1)
+    lines = text.splitlines()
+    hdp = next(ln for ln in lines if ln.startswith("HDP ") and "MB" not in ln and ln.split()[1] == "2.00")
+    assert hdp.split()[1:6] == ["2.00", "0.50", "0.50", "1.00", "2.00"] and hdp.split()[6] == "5.0"
+    assert "20-50" in hdp and hdp.rstrip().endswith("60%")
+    assert "ring attention bytes per step, static / HDP: 10.00x" in text
+    comp = tmp_path / "c.json"
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("300000 70000 9000 5000 200 1\n" * 20)
+    assert sim_main(["--compare", f"this corpus={lengths},magi-short", "--gpus", "64", "--context", "512K",
+                     "--global-batch-tokens", "4M", "--json", str(comp)]) == 0
+    capsys.readouterr()
+    a = _write(tmp_path / "hdp.jsonl", _with_traffic(_records(0.5, 3, 400), 2.0, (0.02, 0.05)))
+    b = _write(tmp_path / "static.jsonl", _with_traffic(_records(0.8, 10, 1000), 20.0, (0.8, 1.2)))
+    assert main([f"HDP={a}", f"static={b}", "--compare", str(comp)]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(comp.read_text())
+    assert "magi-short" in out and "MagiAttention" in out
+    assert (f"predicted at scale: HDP + balance / static DP x CP "
+            f"{doc['distributions']['this corpus']['speedup']['hdp-balance']:.2f}x") in out
+    assert "static / HDP: 10.00x" in out and "HDP / static: 1.60x" in out
