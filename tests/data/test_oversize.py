@@ -15,7 +15,7 @@ import torch
 
 from bytescale.config import LoaderConfig, PlannerConfig
 from bytescale.data import (DataService, DocumentView, HDPLoader, InMemoryTokens, OversizeError, TokenStore,
-                            TokenStoreWriter, connect)
+                            TokenStoreWriter)
 from bytescale.planner import documents_fit, longest_document, plan
 
 CAP = 37

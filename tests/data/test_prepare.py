@@ -18,7 +18,7 @@ from bytescale.data.prepare import main, prepare
 from bytescale.data.token_store import dtype_for_vocab
 from bytescale.data.tokenizer import ByteTokenizer
 
-from conftest import make_texts, write_jsonl
+from corpus_utils import make_texts, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed for this Python (p
 from bytescale.data import DataService, MixingSpec, TokenStore  # noqa: E402
 from bytescale.data.prepare import prepare  # noqa: E402
 
-from conftest import make_texts, write_jsonl  # noqa: E402
+from corpus_utils import make_texts, write_jsonl  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -18,7 +18,7 @@ import pytest
 from bytescale.data import DataService, MixingSampler, MixingSpec, TokenStore, connect
 from bytescale.data.prepare import prepare
 
-from conftest import make_texts, run_forked, write_jsonl
+from corpus_utils import make_texts, run_forked, write_jsonl
 
 BUDGET = 6000
 
