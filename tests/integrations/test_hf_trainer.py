@@ -19,6 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
+import bytescale.models.hf  # noqa: E402,F401  (registers attn_implementation="bytescale")
 from bytescale.config import LoaderConfig, PlannerConfig  # noqa: E402
 from bytescale.data import IGNORE_INDEX, GlobalBatchSampler, SyntheticTokens  # noqa: E402
 from dist_utils import capture_error, run_distributed  # noqa: E402
@@ -175,7 +176,8 @@ def _rings(batches, world, capacity):
 
 def _check(got, want_losses, want_params, what):
     assert len(got["loss"]) == len(want_losses), f"{what}: logged {got['loss']}"
-    torch.testing.assert_close(torch.tensor(got["loss"], dtype=torch.float64), torch.tensor(want_losses),
+    torch.testing.assert_close(torch.tensor(got["loss"], dtype=torch.float64),
+                               torch.tensor(want_losses, dtype=torch.float64),
                                rtol=2e-6, atol=0, msg=lambda m: f"{what} per-step losses: {m}")
     for g, w in zip(got["params"], want_params):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7, msg=lambda m: f"{what} final parameters: {m}")
