@@ -206,14 +206,17 @@ def test_trainer_and_sft_trainer_match_single_process_with_rings_of_2_3_4(tmp_pa
 CAP = 140  # the longest document (400) fits 3 ranks too
 
 
-def _sft_run(rank, world, out_dir, steps, resume):
+def _sft_run(rank, world, out_dir, steps, resume, broken=None):
     _torchrun_env(rank, world)
     evaluate = dict(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=1) if resume is None else {}
     args = _args("sft", out_dir, steps, save_strategy="steps", save_steps=2, **evaluate)
     eval_ds = datasets.Dataset.from_dict(_sft_rows(EVAL_LENGTHS, seed=5)) if resume is None else None
+    error = None
+    if broken is not None:  # a checkpoint without its data position: every rank refuses it
+        error = capture_error(lambda: _trainer("sft", "llama", args, capacity=CAP).train(resume_from_checkpoint=broken))
     trainer = _trainer("sft", "llama", args, capacity=CAP, eval_dataset=eval_ds)
     trainer.train(resume_from_checkpoint=resume)
-    return _result(trainer, rank)
+    return dict(_result(trainer, rank), error=error and error[:2])
 
 
 @pytest.mark.timeout(900)
@@ -224,24 +227,21 @@ def test_sft_trainer_resumes_from_4_on_3_ranks_with_the_same_batches_and_losses(
     a = run_distributed(_sft_run, 4, a_dir, 4, None, timeout=400)
     ck = os.path.join(a_dir, "checkpoint-2")
     assert os.path.isfile(os.path.join(ck, LOADER_STATE))
-    b = run_distributed(_sft_run, 3, b_dir, 4, ck, timeout=400)
+    broken = tmp_path / "C" / "checkpoint-2"
+    shutil.copytree(ck, broken)
+    os.remove(broken / LOADER_STATE)
+    b = run_distributed(_sft_run, 3, b_dir, 4, ck, str(broken), timeout=400)
     losses, params, _, evals = _reference("llama", a[0]["rows"], 4, eval_after=2)
     _check(a[0], losses, params, "uninterrupted 4 ranks")
-    _check(b[0], losses[2:], params, "resumed on 3 ranks")  # it logs steps 3 and 4
+    # the resumed run's history: steps 1-2 as the checkpoint recorded them, then its own 3-4
+    _check(dict(b[0], loss=b[0]["loss"][2:]), losses[2:], params, "resumed on 3 ranks")
+    assert b[0]["loss"][:2] == a[0]["loss"][:2]
     # evaluation during training ran the trainer's padded eval loop under the original attention
     assert len(a[0]["eval"]) == 2 and {r["attn"] for r in a} == {"bytescale"}
     assert a[0]["eval"][0] == pytest.approx(evals[0], rel=1e-5)
-    # the checkpoint came without its data position: refused, named
-    shutil.copytree(ck, tmp_path / "C" / "checkpoint-2")
-    os.remove(tmp_path / "C" / "checkpoint-2" / LOADER_STATE)
-    err = run_distributed(_resume_error, 1, str(tmp_path / "C" / "checkpoint-2"), timeout=300)[0]
-    assert err[0] == "FileNotFoundError" and LOADER_STATE in err[1] and "ignore_data_skip" in err[1], err
-
-
-def _resume_error(rank, world, ck):
-    _torchrun_env(rank, world)
-    trainer = _trainer("sft", "llama", _args("sft", os.path.dirname(ck), 4), CAP)
-    return capture_error(lambda: trainer.train(resume_from_checkpoint=ck))[:2]
+    for r in b:  # the checkpoint without its data position was refused, by name
+        kind, msg = r["error"]
+        assert kind == "FileNotFoundError" and LOADER_STATE in msg and "ignore_data_skip" in msg, r["error"]
 
 
 # -- what cannot apply ----------------------------------------------------------------------------
