@@ -210,8 +210,15 @@ class HDPTrainerMixin:
             raise ValueError("HDP trainer: training requires a train_dataset")
         if self._hdp_train_loader is not None:
             self._hdp_train_loader.close()
-        self._hdp_train_loader = HDPTrainLoader(HFDocuments(self.train_dataset), self.hdp_planner, self.hdp_loader,
-                                                self.hdp_runtime)
+        docs = HFDocuments(self.train_dataset)
+        planner, world = self.hdp_planner, dist.get_world_size()
+        longest = int(docs.lengths.max())
+        if planner.memory is None and not planner.offload and longest > planner.capacity * world:
+            i = int(docs.lengths.argmax())
+            raise ValueError(f"HDP trainer: document {i} of the train_dataset (row {int(docs.row[i])}) has {longest} "
+                             f"tokens, more than capacity {planner.capacity} x {world} ranks hold; raise "
+                             "PlannerConfig(capacity=...), use more ranks or truncate (SFTConfig(max_length=...))")
+        self._hdp_train_loader = HDPTrainLoader(docs, planner, self.hdp_loader, self.hdp_runtime)
         return self._hdp_train_loader
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:

@@ -283,6 +283,9 @@ def _refusals(rank, world, out_dir):
         "see 1 process(es) but torch.distributed has 2": build(use_cpu=False),
     }
     out = {want: capture_error(fn)[:2] for want, fn in cases.items()}
+    out["too long"] = capture_error(lambda: HDPTrainer(model=_model("llama"), args=_args("trainer", out_dir, 2),
+                                                       train_dataset=ds, planner=PlannerConfig(50),
+                                                       loader=hdp["loader"]).train())[:2]
     out["planner"] = capture_error(lambda: HDPTrainer(model=_model("llama"), args=_args("trainer", out_dir, 2),
                                                       train_dataset=ds, planner=110, loader=hdp["loader"]))[:2]
     return out
@@ -301,9 +304,69 @@ def _refusal_of_backend(rank, world, out_dir):
 def test_options_that_cannot_apply_are_refused_by_name(tmp_path):
     got = run_distributed(_refusals, 2, str(tmp_path), timeout=300)[0]
     planner = got.pop("planner")
+    kind, msg = got.pop("too long")  # found before the first step, not by the planner mid-run
+    assert kind == "ValueError" and "document 0 of the train_dataset (row 0) has 400 tokens" in msg \
+        and "capacity 50 x 2 ranks" in msg, msg
     assert planner[0] == "TypeError" and "bytescale.PlannerConfig" in planner[1], planner
     for want, (kind, msg) in got.items():
         assert kind == "ValueError" and want in msg, (want, kind, msg)
         assert msg.count("\n  - ") == 1, f"{want}: more than the one problem reported:\n{msg}"
     kind, msg = run_distributed(_refusal_of_backend, 2, str(tmp_path), backend="gloo", timeout=300)[0]
     assert kind == "ValueError" and "backend is 'gloo'" in msg and "init_process_group('bytescale')" in msg, msg
+
+
+# -- the example: TRL's documented script, after the few changed lines ------------------------------
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples")
+
+
+def _code_lines(path):
+    with open(path) as f:
+        return [line.rstrip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_the_sft_example_differs_from_trls_in_six_lines():
+    import difflib
+
+    plain, hdp = _code_lines(os.path.join(EXAMPLES, "sft_trl.py")), _code_lines(os.path.join(EXAMPLES, "sft_trl_bytescale.py"))
+    changed = [d for d in difflib.ndiff(plain, hdp) if d[:2] in ("+ ", "- ")]
+    added = sum(d.startswith("+ ") for d in changed)
+    removed = sum(d.startswith("- ") for d in changed)
+    assert (added, removed) == (6, 1), changed  # 5 new lines, 1 changed (README: "6 lines")
+
+
+@pytest.mark.timeout(600)
+def test_the_sft_example_trains_under_torchrun(tmp_path):
+    """examples/sft_trl_bytescale.py as written, on 2 CPU processes under torchrun; only the hub
+    model and dataset are swapped for local ones, and the TrainingArguments a CPU run needs in any
+    case (TRL's default bf16 refuses a CPU without use_cpu) are added."""
+    import json
+    import subprocess
+    import sys
+
+    model_dir = tmp_path / "model"
+    _tokenizer().save_pretrained(model_dir)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SIZES)).save_pretrained(model_dir)
+    with open(tmp_path / "data.jsonl", "w") as f:
+        for doc in _docs():
+            f.write(json.dumps({"text": " ".join(f"t{t}" for t in doc)}) + "\n")
+    src = open(os.path.join(EXAMPLES, "sft_trl_bytescale.py")).read()
+    swaps = {'"Qwen/Qwen2.5-0.5B-Instruct"': repr(str(model_dir)),
+             'load_dataset("roneneldan/TinyStories", split="train[:1%]")':
+                 f'load_dataset("json", data_files={str(tmp_path / "data.jsonl")!r}, split="train")',
+             "capacity=16384": "capacity=256", "1 << 20": "600",
+             "    train_dataset=dataset,\n": "    train_dataset=dataset,\n    args=__import__('trl').SFTConfig("
+                                            "'out', use_cpu=True, bf16=False, max_steps=3, logging_steps=1, "
+                                            "report_to='none', disable_tqdm=True),\n"}
+    for old, new in swaps.items():
+        assert old in src, old
+        src = src.replace(old, new)
+    (tmp_path / "run.py").write_text(src)
+    repo = os.path.abspath(os.path.join(EXAMPLES, ".."))
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "run.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    losses = [float(x) for x in __import__("re").findall(r"\{'loss': '([0-9.]+)'", res.stdout)]
+    assert len(losses) == 3 and all(0 < x < 10 for x in losses), res.stdout[-3000:]
