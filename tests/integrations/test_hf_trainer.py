@@ -150,7 +150,7 @@ def _reference(family, rows, steps, eval_after=None):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if eval_after == s + 1:
             evals.append(_eval_reference(model))
     return losses, [p.detach() for p in model.parameters()], batches, evals
