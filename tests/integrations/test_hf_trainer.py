@@ -370,3 +370,28 @@ def test_the_sft_example_trains_under_torchrun(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
     losses = [float(x) for x in __import__("re").findall(r"\{'loss': '([0-9.]+)'", res.stdout)]
     assert len(losses) == 3 and all(0 < x < 10 for x in losses), res.stdout[-3000:]
+
+
+# -- the dataset as documents (one process, no training) --------------------------------------------
+def test_rows_become_documents_padding_cut_packed_rows_split_labels_kept():
+    from bytescale.integrations import HFDocuments
+
+    rows = {"input_ids": [[0, 0, 5, 6, 7], [8, 9, 10, 0], [1, 2, 3, 4, 5, 6], [0, 0]],
+            "attention_mask": [[0, 0, 1, 1, 1], [1, 1, 1, 0], [1] * 6, [0, 0]],
+            "labels": [[-100, -100, -100, 6, 7], [8, -100, 10, -100], [1, 2, -100, 4, 5, 6], [-100, -100]],
+            "seq_lengths": [[3], [3], [2, 4], [0]]}
+    docs = HFDocuments(datasets.Dataset.from_dict(rows))
+    assert docs.lengths.tolist() == [3, 3, 2, 4]  # row 3 is all padding: no document
+    assert [docs.tokens(i, 0, docs.length(i)).tolist() for i in range(4)] == [[5, 6, 7], [8, 9, 10], [1, 2],
+                                                                             [3, 4, 5, 6]]
+    assert docs.tokens(3, 1, 3).tolist() == [4, 5]
+    # targets of positions 1..n-1 of each document: (6, 7), (-100, 10), (2), (4, 5, 6)
+    assert docs.loss_tokens.tolist() == [2, 1, 1, 3]
+    plain = HFDocuments([{"input_ids": [1, 2, 3]}, {"input_ids": [4]}])  # any sized sequence of dicts
+    assert plain.lengths.tolist() == [3, 1] and plain.loss_tokens.tolist() == [2, 0] and plain.labels() is None
+    with pytest.raises(ValueError, match="row 0: attention_mask has holes"):
+        HFDocuments([{"input_ids": [1, 2, 3], "attention_mask": [1, 0, 1]}])
+    with pytest.raises(ValueError, match="row 0: seq_lengths sum to 4, the row has 3 tokens"):
+        HFDocuments([{"input_ids": [1, 2, 3], "seq_lengths": [1, 3]}])
+    with pytest.raises(IndexError, match="outside document 0 of length 3"):
+        plain.tokens(0, 2, 4)
