@@ -1,7 +1,9 @@
-# examples/sft_trl.py under hybrid data parallelism: 6 lines differ (5 added, 1 changed).
-# torchrun --nproc_per_node 8 examples/sft_trl_bytescale.py   (on CPU: ACCELERATE_USE_CPU=1 torchrun ...)
+# examples/sft_trl.py under hybrid data parallelism: 7 lines differ (6 added, 1 changed).
+# torchrun --nproc_per_node 8 examples/sft_trl_bytescale.py   (on CPU, as without bytescale, TRL needs
+# args=SFTConfig(use_cpu=True, bf16=False))
 # README, "Transformers' Trainer and TRL's SFTTrainer".
-import bytescale, torch.distributed as dist
+import torch.distributed as dist
+from bytescale import LoaderConfig, PlannerConfig
 from bytescale.integrations import hdp_trainer
 from trl import SFTTrainer
 from datasets import load_dataset
@@ -12,7 +14,7 @@ dataset = load_dataset("roneneldan/TinyStories", split="train[:1%]")
 trainer = hdp_trainer(SFTTrainer)(
     model="Qwen/Qwen2.5-0.5B-Instruct",
     train_dataset=dataset,
-    planner=bytescale.PlannerConfig(capacity=16384),  # tokens per micro-batch per GPU
-    loader=bytescale.LoaderConfig(tokens_per_batch=1 << 20),  # tokens per optimizer step
+    planner=PlannerConfig(capacity=16384),  # tokens per micro-batch per GPU
+    loader=LoaderConfig(tokens_per_batch=1 << 20),  # tokens per optimizer step
 )
 trainer.train()

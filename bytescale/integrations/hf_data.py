@@ -35,7 +35,8 @@ def _columns(dataset: Any) -> Tuple[str, ...]:
     if names is None:
         first = dataset[0]
         if not hasattr(first, "keys"):
-            raise TypeError(f"HDP trainer: train_dataset rows must be dicts with 'input_ids', got {type(first).__name__}")
+            raise TypeError(f"HDP trainer: train_dataset rows must be dicts with 'input_ids', "
+                            f"got {type(first).__name__}")
         names = list(first.keys())
     return tuple(names)
 

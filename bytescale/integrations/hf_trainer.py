@@ -24,8 +24,9 @@ What changes inside the trainer, and nothing else:
   usual (padded) eval loop under the model's original attention implementation.
 
 Options that cannot apply are refused when the trainer is built (gradient accumulation: the plan
-already runs as many micro-batches per rank as the step needs; ``group_by_length`` / another ``train_sampling_strategy``, a sampler or
-train loader of one's own; ``fp16``; a loss of one's own; DeepSpeed / FSDP / TP configs).
+already runs as many micro-batches per rank as the step needs; ``group_by_length`` / another
+``train_sampling_strategy``, a sampler or train loader of one's own; ``fp16``; a loss of one's own;
+DeepSpeed / FSDP / TP configs).
 """
 from __future__ import annotations
 
@@ -197,8 +198,8 @@ class HDPTrainerMixin:
         config = getattr(model, "config", None)
         impl = getattr(config, "_attn_implementation", None)
         if impl is None or not hasattr(model, "set_attn_implementation"):
-            raise TypeError(f"HDP trainer: the model must be a transformers PreTrainedModel whose attention goes through "
-                            f"the attention interface, got {type(model).__name__}")
+            raise TypeError("HDP trainer: the model must be a transformers PreTrainedModel whose attention goes "
+                            f"through the attention interface, got {type(model).__name__}")
         if impl != _ATTN:
             self._hdp_eval_attn = impl
             model.set_attn_implementation(_ATTN)
@@ -277,7 +278,8 @@ class HDPTrainerMixin:
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         loader = self._hdp_train_loader
         if loader is not None and self.args.should_save:  # the same state on every rank: one writer
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            folder = os.path.join(self._get_output_dir(trial=trial),
+                                  f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             os.makedirs(folder, exist_ok=True)
             state = {"loader": loader.state_dict(), "global_step": self.state.global_step,
                      "documents": len(loader.docs), "tokens": int(loader.docs.lengths.sum())}
@@ -301,9 +303,9 @@ class HDPTrainerMixin:
             raise ValueError(f"HDP trainer: cannot read {path}: {e}") from None
         have = (len(loader.docs), int(loader.docs.lengths.sum()), self.state.global_step)
         if saved != have:
-            raise ValueError(f"HDP trainer: checkpoint {checkpoint} was saved at step {saved[2]} over {saved[0]} documents "
-                             f"({saved[1]} tokens); this run is at step {have[2]} over {have[0]} documents ({have[1]} "
-                             "tokens): not the same training data")
+            raise ValueError(f"HDP trainer: checkpoint {checkpoint} was saved at step {saved[2]} over {saved[0]} "
+                             f"documents ({saved[1]} tokens); this run is at step {have[2]} over {have[0]} documents "
+                             f"({have[1]} tokens): not the same training data")
         loader.load_state_dict(state["loader"])
 
     # -- evaluation -----------------------------------------------------------------------------------
