@@ -38,7 +38,7 @@ import importlib.util
 need = {"numpy": "numpy", "pytest": "pytest", "pytest_timeout": "pytest-timeout", "hypothesis": "hypothesis",
         "ninja": "ninja", "matplotlib": "matplotlib", "transformers": "transformers", "pyarrow": "pyarrow",
         "datasets": "datasets", "ray": "ray", "tqdm": "tqdm", "tensorboard": "tensorboard",
-        "expecttest": "expecttest", "wheel": "wheel"}
+        "expecttest": "expecttest", "wheel": "wheel", "trl": "trl"}
 out = [pip for mod, pip in need.items() if importlib.util.find_spec(mod) is None]
 try:
     import setuptools
