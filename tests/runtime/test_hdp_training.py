@@ -125,10 +125,13 @@ def test_mismatched_loader_config_fails_clearly():
 
 
 def test_unplannable_batch_is_a_clear_error():
-    loader = HDPLoader(_dataset(), PlannerConfig(16), LoaderConfig(10_000, seed=0, check_plan=False, prefetch=False),
-                       rank=0, world_size=2)
-    with pytest.raises(ValueError, match="ranks"):
-        next(loader)
+    # documents over 2 ranks x capacity 16: refused when the loader is built (oversize="error"),
+    # never at a later step; the planner itself names the ranks a sequence needs
+    with pytest.raises(ValueError, match="longer than"):
+        HDPLoader(_dataset(), PlannerConfig(16), LoaderConfig(10_000, seed=0, check_plan=False, prefetch=False,
+                                                             oversize="error"), rank=0, world_size=2)
+    with pytest.raises(ValueError, match="needs .* ranks at capacity 16"):
+        PlannerConfig(16).plan([20, 40], 2)
 
 
 def test_model_without_layout_hook_errors():
