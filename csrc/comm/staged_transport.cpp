@@ -4,6 +4,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include "comm/agreement.h"
 #include "comm/group_ops.h"
 #include "comm/work.h"
 
@@ -111,6 +112,8 @@ StagedTransport::StagedTransport(c10::DeviceType device, std::shared_ptr<Transpo
   TORCH_CHECK(cpu_ && cpu_->deviceType() == c10::DeviceType::CPU,
               "bytescale: the staged transport needs the world's CPU transport");
 }
+
+std::shared_ptr<Transport> StagedTransport::agreementChannel() const { return hostChannel(); }
 
 std::unique_ptr<PendingExchange> StagedTransport::exchange(const std::vector<P2POp>& ops,
                                                            const std::string& what) {

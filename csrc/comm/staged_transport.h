@@ -41,6 +41,8 @@ class StagedTransport final : public Transport {
   c10::intrusive_ptr<c10d::Work> run(WorkInfo info, std::vector<at::Tensor> outputs,
                                      std::function<void()> body,
                                      std::vector<at::Tensor> inputs = {}) override;
+  // On every device (CPU tensors too, so tests/comm runs the CUDA route): a host channel.
+  std::shared_ptr<Transport> agreementChannel() const override;
 
  private:
   c10::DeviceType device_;
