@@ -164,7 +164,14 @@ def _static_backend(dist_opts, caller, global_ranks, timeout):
     store = dist_opts.store
     rank, size = dist_opts.group_rank, dist_opts.group_size
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("bytescale/gloo/", store), rank, size, timeout)
-    parent = getattr(dist_opts, "split_from", None)
+    if hasattr(dist_opts, "split_from"):
+        parent = dist_opts.split_from
+    else:
+        # a torch without the field: the source torch derives (distributed_c10d._get_split_source,
+        # a device-bound world's backend), from which its non-members perform_nocolor_split;
+        # not splitting here would leave them blocked in that split forever
+        bound = getattr(_tp.default_group(), "bound_device_id", None)
+        parent = _world_backend if bound is not None and torch.device(bound).type != "cpu" else None
     if not isinstance(parent, _C.comm.BytescaleBackend) or _tp.creator_local_synchronization(caller):
         parent = None  # no split: the group's own CUDA communicator, made by its members
     return _C.comm.BytescaleBackend.static_group(store, rank, timeout, gloo, global_ranks, parent)
