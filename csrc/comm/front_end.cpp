@@ -90,11 +90,13 @@ namespace {
 // for a tensor listed as input and output: the threads that may hold an op's last references
 // (the CPU transport's worker and waiters, Gloo's, the NCCL watchdog), its Work and its future
 // never free a Python-owned TensorImpl, so a process that exits without destroy_process_group
-// while ops are in flight never aborts in the interpreter's finalization.
+// while ops are in flight never aborts in the interpreter's finalization. A tensor that requires
+// grad is passed as it is: autograd's checks must see it (an in-place AVG on a leaf parameter
+// under grad mode raises, as Gloo's does), and its owner (a module) normally outlives the op.
 void handOffTensors(Collective& c) {
   std::unordered_map<const c10::TensorImpl*, at::Tensor> made;
   auto copy = [&made](at::Tensor& t) {
-    if (!t.defined()) return;
+    if (!t.defined() || t.requires_grad()) return;
     auto [it, fresh] = made.try_emplace(t.unsafeGetTensorImpl());
     if (fresh) it->second = handOff(t);
     t = it->second;
@@ -384,7 +386,8 @@ c10::intrusive_ptr<c10d::Work> CollectiveBackend::p2p(P2POp::Kind kind,
   const int global = group_->globalRank(peer);
   what = std::string(send ? "send to" : "recv from") + " rank " + std::to_string(global) +
          " on " + group_name_;
-  P2POp op{kind, global, handOff(tensors[0]), p2pTag(tag)};  // see handOffTensors
+  // see handOffTensors
+  P2POp op{kind, global, tensors[0].requires_grad() ? tensors[0] : handOff(tensors[0]), p2pTag(tag)};
   auto inf = info(send ? c10d::OpType::SEND : c10d::OpType::RECV, what, {global});
   {
     std::lock_guard<std::mutex> g(coalesce_mu_);
