@@ -315,12 +315,8 @@ _held_refs: Optional[int] = None  # refcount of a group only bytescale's and tor
 
 
 def _track(g: DynamicGroup) -> None:
-    global _held_refs, _sweep_at
+    global _sweep_at
     _uncached.append(g)
-    if _held_refs is None:
-        # here: torch's tables, _uncached, the caller's name, this parameter and getrefcount's
-        # argument; in _sweep the loop variable stands for the caller's name and this parameter
-        _held_refs = sys.getrefcount(g) - 1
     if len(_uncached) >= _sweep_at:
         _sweep()
         _sweep_at = max(64, 2 * len(_uncached))
@@ -345,7 +341,7 @@ def dynamic_group(ranks: Iterable[int], cache: bool = True) -> DynamicGroup:
     41 MiB at any world size), so per-micro-batch calls cost a dict lookup. With ``cache=False``
     (and once evicted from the cache) a group is released when the caller drops it.
     """
-    global _cache_members
+    global _cache_members, _held_refs
     key = tuple(int(r) for r in ranks)
     if cache:
         g = _group_cache.get(key)
@@ -353,6 +349,10 @@ def dynamic_group(ranks: Iterable[int], cache: bool = True) -> DynamicGroup:
             _group_cache.move_to_end(key)
             return g
     g = DynamicGroup(key)
+    if _held_refs is None:
+        # a fresh group: torch's tables, this name and getrefcount's argument; in _sweep also
+        # _uncached's entry (the loop variable stands for this name)
+        _held_refs = sys.getrefcount(g) + 1
     if not cache:
         _track(g)
         return g
