@@ -201,6 +201,11 @@ ENV_KNOBS = {
              "collectives, point-to-point exchanges) on one in-order queue, as on one NCCL stream, and every "
              "backward on a separate thread, as CUDA autograd does (bytescale.testing); read once per process "
              "(csrc/common/env.h)."),
+    "BYTESCALE_CUDA_TRANSPORT": (
+        "nccl", "the transport of CUDA tensors: nccl, or staged (every message through host memory over "
+                "Gloo, so several processes can share one GPU: a test tool; python -m bytescale.train then "
+                "puts process LOCAL_RANK on GPU LOCAL_RANK mod the GPU count); read once per process "
+                "(csrc/common/env.h)."),
     "BYTESCALE_ATTENTION_KERNEL": (
         "auto", "per-ring-step attention kernel: auto, flash, cudnn (CUDA), sdpa (CPU) or tiled; read once "
                 "per process (csrc/common/env.h)."),

@@ -164,7 +164,14 @@ def _static_backend(dist_opts, caller, global_ranks, timeout):
     store = dist_opts.store
     rank, size = dist_opts.group_rank, dist_opts.group_size
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("bytescale/gloo/", store), rank, size, timeout)
-    parent = getattr(dist_opts, "split_from", None)
+    if hasattr(dist_opts, "split_from"):
+        parent = dist_opts.split_from
+    else:
+        # a torch without the field: the source torch derives (distributed_c10d._get_split_source,
+        # a device-bound world's backend), from which its non-members perform_nocolor_split;
+        # not splitting here would leave them blocked in that split forever
+        bound = getattr(_tp.default_group(), "bound_device_id", None)
+        parent = _world_backend if bound is not None and torch.device(bound).type != "cpu" else None
     if not isinstance(parent, _C.comm.BytescaleBackend) or _tp.creator_local_synchronization(caller):
         parent = None  # no split: the group's own CUDA communicator, made by its members
     return _C.comm.BytescaleBackend.static_group(store, rank, timeout, gloo, global_ranks, parent)
@@ -195,7 +202,7 @@ def _create_backend(dist_opts, pg_options):
         gloo = dist.ProcessGroupGloo(dist.PrefixStore("bytescale/gloo/", store), rank, size, timeout)
         backend = _C.comm.BytescaleBackend(store, rank, size, timeout, gloo)
         _world_backend = backend
-        _group_cache.clear()
+        _forget_groups()
         bound = getattr(getattr(dist_opts, "process_group", None), "bound_device_id", None)
         if bound is not None and torch.device(bound).type != "cpu":
             # init_process_group(device_id=...): torch connects eagerly only backends that support
@@ -286,8 +293,43 @@ class DynamicGroup(_C.comm.NamedProcessGroup):
         return f"DynamicGroup(ranks={list(self._ranks)})"
 
 
+# The cache of dynamic_group(): an LRU bounded by count AND by members, so its memory is bounded
+# at any world size. A group costs about 2.7 KiB (Python object, C++ backend, torch's table
+# entries) plus about 120 bytes per member (its rank tuple, torch's rank-translation dict, the C++
+# rank list and sorted index; nothing of the world's size, csrc/comm/schedule.h RankMap), so the
+# cache holds at most 4096 * 2.7 KiB + 2**18 * 120 B, about 41 MiB, whether the world has 4 ranks
+# or 16,384 (there: e.g. 4096 rings of up to 64 ranks, or 16 whole-world groups).
 _CACHE_SIZE = 4096
+_CACHE_MEMBERS = 1 << 18
 _group_cache: "OrderedDict[tuple[int, ...], DynamicGroup]" = OrderedDict()
+_cache_members = 0
+
+# Groups outside the cache (cache=False, or evicted): torch's _world tables hold them, so they
+# never die by themselves. A sweep releases the ones nobody else refers to any more (their
+# reference count back to what bytescale's and torch's own holders account for); it runs when the
+# list doubles past its size after the last sweep, so a create/drop loop costs O(1) amortized and
+# at most max(64, 2 x live) groups wait for release.
+_uncached: "list[DynamicGroup]" = []
+_sweep_at = 64
+_held_refs: Optional[int] = None  # refcount of a group only bytescale's and torch's tables hold
+
+
+def _track(g: DynamicGroup) -> None:
+    global _sweep_at
+    _uncached.append(g)
+    if len(_uncached) >= _sweep_at:
+        _sweep()
+        _sweep_at = max(64, 2 * len(_uncached))
+
+
+def _sweep() -> None:
+    live = []
+    for g in _uncached:
+        if sys.getrefcount(g) > _held_refs:
+            live.append(g)
+        else:
+            g._release()
+    _uncached[:] = live
 
 
 def dynamic_group(ranks: Iterable[int], cache: bool = True) -> DynamicGroup:
@@ -295,9 +337,11 @@ def dynamic_group(ranks: Iterable[int], cache: bool = True) -> DynamicGroup:
 
     No communication and no communicator is involved: call it on every member (and, if convenient,
     on non-members, who may hold but not use the group). With ``cache=True`` the same ordered rank
-    list returns the same object (an LRU of 4096 groups), so per-micro-batch calls cost a dict
-    lookup.
+    list returns the same object (an LRU of at most 4096 groups and 2**18 members in all, about
+    41 MiB at any world size), so per-micro-batch calls cost a dict lookup. With ``cache=False``
+    (and once evicted from the cache) a group is released when the caller drops it.
     """
+    global _cache_members, _held_refs
     key = tuple(int(r) for r in ranks)
     if cache:
         g = _group_cache.get(key)
@@ -305,19 +349,41 @@ def dynamic_group(ranks: Iterable[int], cache: bool = True) -> DynamicGroup:
             _group_cache.move_to_end(key)
             return g
     g = DynamicGroup(key)
-    if cache:
-        _group_cache[key] = g
-        if len(_group_cache) > _CACHE_SIZE:
-            _, old = _group_cache.popitem(last=False)
-            old._release()
+    if _held_refs is None:
+        # a fresh group: torch's tables, this name and getrefcount's argument; in _sweep also
+        # _uncached's entry (the loop variable stands for this name)
+        _held_refs = sys.getrefcount(g) + 1
+    if not cache:
+        _track(g)
+        return g
+    _group_cache[key] = g
+    _cache_members += len(key)
+    while len(_group_cache) > 1 and (len(_group_cache) > _CACHE_SIZE or _cache_members > _CACHE_MEMBERS):
+        old_key, old = _group_cache.popitem(last=False)
+        _cache_members -= len(old_key)
+        _track(old)  # released once its holders drop it too
+        del old
     return g
 
 
-def clear_dynamic_groups() -> None:
-    """Forget cached dynamic groups (they are also dropped when the world backend is recreated)."""
-    for g in _group_cache.values():
-        g._release()
+def _forget_groups() -> None:
+    """A new world: the old world's groups (torch's tables were reset with it) are dropped."""
+    global _cache_members
     _group_cache.clear()
+    _uncached.clear()
+    _cache_members = 0
+
+
+def clear_dynamic_groups() -> None:
+    """Forget cached dynamic groups (they are also dropped when the world backend is recreated);
+    each is released once nobody refers to it."""
+    global _cache_members
+    while _group_cache:
+        _, g = _group_cache.popitem(last=False)
+        _track(g)
+        del g
+    _cache_members = 0
+    _sweep()
 
 
 _register()

@@ -114,6 +114,10 @@ class PipelineExecutor:
         if self.mesh is None or self.mesh.pp < 2:
             raise ValueError("PipelineExecutor: needs a mesh with pp > 1 (bytescale.init_mesh(pp=P)); "
                              "without pipelines use StepExecutor")
+        if getattr(self.mesh, "ep", 1) > 1:  # as the trainer refuses --pp with --ep (TrainConfig)
+            raise ValueError(f"PipelineExecutor: expert parallelism (mesh ep={self.mesh.ep}) is not supported with "
+                             "pipelines: stages are replicated over their HDP group, and EP's lockstep slots "
+                             "and all-to-alls are not scheduled across pipeline stages; use ep=1 with pp > 1")
         stage_model = model.module
         if not isinstance(stage_model, Llama):
             raise TypeError(f"PipelineExecutor: the stage must be bytescale's Llama (Llama.pipeline_stage), got "

@@ -52,6 +52,23 @@ def train_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+def cuda_device_index(local_rank: int, device_count: int, transport: str) -> int:
+    """The GPU of a training process: ``LOCAL_RANK`` on NCCL (one process per GPU); on the staged
+    transport (``BYTESCALE_CUDA_TRANSPORT=staged``: several processes share the GPUs) ``LOCAL_RANK``
+    modulo the number of GPUs, so two processes on a one-GPU machine both use ``cuda:0``."""
+    if device_count < 1:
+        raise ConfigError("train.device=cuda but no CUDA device is visible")
+    if local_rank < 0:
+        raise ConfigError(f"LOCAL_RANK must be >= 0, got {local_rank}")
+    if transport == "staged":
+        return local_rank % device_count
+    if local_rank >= device_count:
+        raise ConfigError(
+            f"LOCAL_RANK {local_rank} but only {device_count} CUDA device(s) are visible: NCCL needs one "
+            f"GPU per process (BYTESCALE_CUDA_TRANSPORT=staged lets processes share a GPU)")
+    return local_rank
+
+
 def init_distributed(device: str) -> bool:
     """Join (or, without torchrun, create a one-process) ``bytescale`` process group; True if created."""
     import bytescale  # noqa: F401  (registers the backend)
@@ -67,7 +84,10 @@ def init_distributed(device: str) -> bool:
                           MASTER_PORT=str(port), BYTESCALE_TRAIN_SOLO="1")
     timeout = train_timeout()
     if device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", 0))
+        from .. import _C
+
+        local = cuda_device_index(int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count(),
+                                  _C.comm.cuda_transport())
         torch.cuda.set_device(local)
         dist.init_process_group("bytescale", device_id=torch.device("cuda", local), timeout=timeout)
     else:

@@ -215,6 +215,25 @@ void bind_comm(py::module_& m) {
       },
       py::arg("tensor"), py::arg("ranks"), py::call_guard<py::gil_scoped_release>());
   m.def(
+      "_staged_group_backend",
+      [](const c10::intrusive_ptr<c10d::Backend>& group) -> c10::intrusive_ptr<c10d::Backend> {
+        // The staged plug-in a static group gets on a GPU (BYTESCALE_CUDA_TRANSPORT=staged), here
+        // for CPU tensors: group_ops over the group's own CPU transport (its ranks 0..k-1).
+        auto* b = dynamic_cast<BytescaleBackend*>(group.get());
+        TORCH_CHECK(b, "bytescale: _staged_group_backend takes a bytescale backend, got ",
+                    group->getBackendName());
+        comm::DeviceBackendOptions o;
+        o.rank = b->getRank();
+        o.size = b->getSize();
+        o.timeout = b->timeout();
+        o.cpu = b->transport(c10::DeviceType::CPU);
+        return comm::makeStagedBackend(c10::DeviceType::CPU, o).backend;
+      },
+      py::arg("group_backend"));
+  m.def(
+      "cuda_transport", [] { return env::knobs().cuda_transport; },
+      "The transport of CUDA tensors: 'nccl' (default) or 'staged' (BYTESCALE_CUDA_TRANSPORT).");
+  m.def(
       "nccl_order", [] { return env::knobs().nccl_order; },
       "True when BYTESCALE_NCCL_ORDER=1 (CUDA's execution model on CPU, for tests).");
 

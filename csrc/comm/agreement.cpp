@@ -40,10 +40,19 @@ class HostChannel final : public Transport {
 
 }  // namespace
 
+std::shared_ptr<Transport> hostChannelOf(const std::shared_ptr<Transport>& cpu) {
+  auto gloo = std::dynamic_pointer_cast<GlooTransport>(cpu);
+  if (!gloo) return nullptr;
+  return std::make_shared<HostChannel>(std::move(gloo));
+}
+
 std::shared_ptr<Transport> hostChannel() {
-  auto cpu = std::dynamic_pointer_cast<GlooTransport>(worldTransport(c10::DeviceType::CPU));
-  if (!cpu) return nullptr;
-  return std::make_shared<HostChannel>(std::move(cpu));
+  return hostChannelOf(worldTransport(c10::DeviceType::CPU));
+}
+
+std::shared_ptr<Transport> Transport::agreementChannel() const {
+  if (deviceType() == c10::DeviceType::CPU) return nullptr;
+  return hostChannel();
 }
 
 std::vector<std::vector<int64_t>> agree(Transport& tr, const RankMap& g, AgreementKind kind,
@@ -95,19 +104,6 @@ std::vector<std::vector<int64_t>> agree(Transport& tr, const RankMap& g, Agreeme
     out[j].assign(r + 1, r + kAgreementLen);
   }
   return out;
-}
-
-std::vector<std::vector<int64_t>> agreeOnHost(const RankMap& g, AgreementKind kind,
-                                              const std::vector<int64_t>& payload,
-                                              const std::string& what) {
-  auto host = hostChannel();
-  TORCH_CHECK(host || g.size() == 1, "bytescale ", what,
-              ": no bytescale world (call dist.init_process_group(\"bytescale\") first)");
-  if (!host) {
-    std::vector<int64_t> row = agreementRow(kind, payload, what);
-    return {std::vector<int64_t>(row.begin() + 1, row.end())};
-  }
-  return agree(*host, g, kind, payload, what);
 }
 
 }  // namespace comm

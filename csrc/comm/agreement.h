@@ -3,7 +3,7 @@
 // values) and every member gets the same table of all members' digests, so every member takes the
 // same decision and raises the same error. Three checks use it:
 //   * the consistency check of collectives (comm/consistency.h), before CPU collectives and
-//     before collectives of CUDA dynamic groups;
+//     before the group_ops collectives of device transports (CUDA dynamic groups, staged groups);
 //   * ring attention's agreement check (attention/ring_agreement.h), before any K/V moves;
 //   * the loader's plan check (bytescale.data.HDPLoader, through bytescale.comm.agree).
 // Members that are in different kinds of agreement (one checks a collective while the other
@@ -12,7 +12,9 @@
 // Where it runs:
 //   agree(tr, ...)       on the calling thread over `tr`'s exchange(): inside Transport::run bodies
 //                        of CPU collectives, i.e. in the order of the transport's worker.
-//   agreeOnHost(...)     over the world CPU transport's host channel (GlooTransport::exchangeNow),
+//   agree(*host, ...)    over a host channel (GlooTransport::exchangeNow): the world CPU
+//                        transport's (hostChannel(), world ranks) or a static group's
+//                        (hostChannelOf(), its ranks; Transport::agreementChannel picks),
 //                        never queued behind communication: what a CUDA rank does (the NCCL
 //                        stream is not involved, no device synchronisation), and what NCCL-order
 //                        mode keeps outside its in-order queue. A blocking host round trip among
@@ -46,14 +48,12 @@ std::vector<std::vector<int64_t>> agree(Transport& tr, const RankMap& g, Agreeme
                                         const std::vector<int64_t>& payload,
                                         const std::string& what);
 
-// agree() over the world CPU transport's host channel (raises when there is no bytescale world).
-std::vector<std::vector<int64_t>> agreeOnHost(const RankMap& g, AgreementKind kind,
-                                              const std::vector<int64_t>& payload,
-                                              const std::string& what);
-
 // The host channel: the world CPU transport with exchange() never queued (nullptr without a
 // bytescale world).
 std::shared_ptr<Transport> hostChannel();
+// The host channel of `cpu`, a CPU (Gloo) transport of any group, in that group's rank space
+// (nullptr when `cpu` is not one).
+std::shared_ptr<Transport> hostChannelOf(const std::shared_ptr<Transport>& cpu);
 
 }  // namespace comm
 }  // namespace bytescale

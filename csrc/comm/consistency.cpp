@@ -137,11 +137,14 @@ void checkConsistent(Transport& tr, const RankMap& g, const Collective& c) {
   const std::vector<int64_t> payload(p, p + kFingerprintLen);
   const std::string what = c.what + " (consistency check)";
   // CPU: in the transport's order (the worker runs this inside the collective's body). Other
-  // devices: a host exchange at issue time (the body runs on the caller's thread), never through
-  // the device's communication stream.
-  auto rows = tr.deviceType() == c10::DeviceType::CPU
-                  ? agree(tr, g, AgreementKind::kCollective, payload, what)
-                  : agreeOnHost(g, AgreementKind::kCollective, payload, what);
+  // devices (and the staged transport on any device): a host exchange, never through the
+  // device's communication stream, over the channel of the transport's own rank space (a static
+  // group's ranks 0..k-1 are not world ranks).
+  auto channel = tr.agreementChannel();
+  TORCH_CHECK(channel || tr.deviceType() == c10::DeviceType::CPU, "bytescale ", what,
+              ": no host channel for the check (call dist.init_process_group(\"bytescale\") "
+              "first)");
+  auto rows = agree(channel ? *channel : tr, g, AgreementKind::kCollective, payload, what);
   at::Tensor table = at::empty({g.size(), kFingerprintLen}, fp.options());
   for (int j = 0; j < g.size(); ++j)
     std::copy(rows[j].begin(), rows[j].begin() + kFingerprintLen,

@@ -30,7 +30,8 @@ void verifyFingerprints(const at::Tensor& table, const RankMap& g, const std::st
 // Exchanges fingerprints through the agreement primitive (comm/agreement.h) and verifies them;
 // a no-op with checks off or one member. CPU transports: over `tr` (call it inside the
 // collective's Transport::run body: the worker's order); other devices (CUDA dynamic groups): a
-// host exchange over the world CPU transport at issue time (agreeOnHost).
+// host exchange at issue time over Transport::agreementChannel() (the host channel of the
+// transport's rank space).
 void checkConsistent(Transport& tr, const RankMap& g, const Collective& c);
 
 }  // namespace comm

@@ -1,7 +1,10 @@
 #include "comm/front_end.h"
 
+#include "common/handoff.h"
+
 #include <algorithm>
 #include <sstream>
+#include <unordered_map>
 
 #include "comm/special_ops.h"
 #include "comm/traffic.h"
@@ -90,6 +93,29 @@ P2PCoalescer::Batch P2PCoalescer::take(const std::string& what) {
 
 // ---- CollectiveBackend ----------------------------------------------------------------------
 
+namespace {
+
+// From here on the op's tensors are Python-free shallow copies (common/handoff.h), the same copy
+// for a tensor listed as input and output: the threads that may hold an op's last references
+// (the CPU transport's worker and waiters, Gloo's, the NCCL watchdog), its Work and its future
+// never free a Python-owned TensorImpl, so a process that exits without destroy_process_group
+// while ops are in flight never aborts in the interpreter's finalization. A tensor that requires
+// grad is passed as it is: autograd's checks must see it (an in-place AVG on a leaf parameter
+// under grad mode raises, as Gloo's does), and its owner (a module) normally outlives the op.
+void handOffTensors(Collective& c) {
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> made;
+  auto copy = [&made](at::Tensor& t) {
+    if (!t.defined() || t.requires_grad()) return;
+    auto [it, fresh] = made.try_emplace(t.unsafeGetTensorImpl());
+    if (fresh) it->second = handOff(t);
+    t = it->second;
+  };
+  for (auto& t : c.inputs) copy(t);
+  for (auto& t : c.outputs) copy(t);
+}
+
+}  // namespace
+
 CollectiveBackend::CollectiveBackend(std::shared_ptr<const RankMap> group, const std::string& kind,
                                      std::chrono::milliseconds timeout)
     : c10d::Backend(group->myIndex(), group->size()),
@@ -122,6 +148,7 @@ c10::intrusive_ptr<c10d::Work> CollectiveBackend::submit(Collective c,
   if (c.kind != CollectiveKind::kBarrier) c.device = commonDevice({&c.inputs, &c.outputs}, c.what);
   c.timeout = op_timeout > std::chrono::milliseconds(0) ? op_timeout : timeout_;
   validate(c, *group_);
+  handOffTensors(c);
   seq_.fetch_add(1);
   countTraffic(TrafficScope::current(), payloadBytes(c.inputs), payloadBytes(c.outputs));
   auto work = execute(std::move(c));
@@ -369,7 +396,8 @@ c10::intrusive_ptr<c10d::Work> CollectiveBackend::p2p(P2POp::Kind kind,
   const int global = group_->globalRank(peer);
   what = std::string(send ? "send to" : "recv from") + " rank " + std::to_string(global) +
          " on " + group_name_;
-  P2POp op{kind, global, tensors[0], p2pTag(tag)};
+  // see handOffTensors
+  P2POp op{kind, global, tensors[0].requires_grad() ? tensors[0] : handOff(tensors[0]), p2pTag(tag)};
   auto inf = info(send ? c10d::OpType::SEND : c10d::OpType::RECV, what, {global});
   {
     std::lock_guard<std::mutex> g(coalesce_mu_);

@@ -12,7 +12,7 @@
 // backend queues Gloo's native collectives too. A rank whose operations form a cycle with a
 // peer's on one NCCL stream then deadlocks here as well, and the waits raise the transport's
 // timeout error naming the operation the queue is stuck behind. Cross-rank agreements
-// (comm/agreement.h: agreeOnHost) use exchangeNow() in both modes: on CUDA they are host
+// (comm/agreement.h: host channels) use exchangeNow() in both modes: on CUDA they are host
 // exchanges outside the NCCL stream too.
 #pragma once
 

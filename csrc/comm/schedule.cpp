@@ -1,5 +1,6 @@
 #include "comm/schedule.h"
 
+#include <algorithm>
 #include <sstream>
 #include <stdexcept>
 
@@ -19,18 +20,20 @@ RankMap::RankMap(std::vector<int> ranks, int world_size, int my_global_rank)
   if (static_cast<int>(ranks_.size()) > world_size)
     throw std::invalid_argument("dynamic group: " + std::to_string(ranks_.size()) +
                                 " ranks given but the world has only " + std::to_string(world_size));
-  index_of_.assign(world_size, -1);
+  index_of_.reserve(ranks_.size());
   for (size_t i = 0; i < ranks_.size(); ++i) {
     int r = ranks_[i];
     if (r < 0 || r >= world_size)
       throw std::invalid_argument("dynamic group: rank " + std::to_string(r) + " outside [0, " +
                                   std::to_string(world_size) + ")");
-    if (index_of_[r] != -1)
-      throw std::invalid_argument("dynamic group: rank " + std::to_string(r) +
-                                  " appears twice in " + describe());
-    index_of_[r] = static_cast<int>(i);
+    index_of_.emplace_back(r, static_cast<int>(i));
   }
-  if (my_global_rank >= 0 && my_global_rank < world_size) my_index_ = index_of_[my_global_rank];
+  std::sort(index_of_.begin(), index_of_.end());
+  for (size_t i = 1; i < index_of_.size(); ++i)
+    if (index_of_[i].first == index_of_[i - 1].first)
+      throw std::invalid_argument("dynamic group: rank " + std::to_string(index_of_[i].first) +
+                                  " appears twice in " + describe());
+  my_index_ = groupRankOf(my_global_rank);
 }
 
 int RankMap::globalRank(int group_rank) const {
@@ -42,8 +45,8 @@ int RankMap::globalRank(int group_rank) const {
 }
 
 int RankMap::groupRankOf(int global_rank) const {
-  if (global_rank < 0 || global_rank >= world_size_) return -1;
-  return index_of_[global_rank];
+  auto it = std::lower_bound(index_of_.begin(), index_of_.end(), std::make_pair(global_rank, -1));
+  return it != index_of_.end() && it->first == global_rank ? it->second : -1;
 }
 
 int RankMap::next() const { return ranks_[mod(my_index_ + 1, size())]; }

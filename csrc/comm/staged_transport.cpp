@@ -4,6 +4,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include "comm/agreement.h"
 #include "comm/group_ops.h"
 #include "comm/work.h"
 
@@ -107,10 +108,15 @@ void chain(const c10::intrusive_ptr<c10d::Work>& inner, const c10::intrusive_ptr
 }  // namespace
 
 StagedTransport::StagedTransport(c10::DeviceType device, std::shared_ptr<Transport> cpu)
-    : device_(device), cpu_(std::move(cpu)) {
-  TORCH_CHECK(cpu_ && cpu_->deviceType() == c10::DeviceType::CPU,
-              "bytescale: the staged transport needs the world's CPU transport");
+    : device_(device), cpu_(std::move(cpu)), host_(hostChannelOf(cpu_)) {
+  TORCH_CHECK(cpu_ && cpu_->deviceType() == c10::DeviceType::CPU && host_,
+              "bytescale: the staged transport needs the group's CPU (Gloo) transport");
 }
+
+// The host channel of the CPU transport it stages over: the world's for the world backend, the
+// static group's own (ranks 0..k-1 of the group) for a static group's plug-in, so a check of
+// group [0, 2] pairs world ranks 0 and 2, never 0 and 1.
+std::shared_ptr<Transport> StagedTransport::agreementChannel() const { return host_; }
 
 std::unique_ptr<PendingExchange> StagedTransport::exchange(const std::vector<P2POp>& ops,
                                                            const std::string& what) {

@@ -11,6 +11,8 @@
 //       into the device tensors (on the caller's current stream, synchronously).
 //   post(): the same, the device copies happening when the CPU exchange completes; its Work is
 //       device-aware (its future holds device tensors).
+//   agreementChannel(): the host channel of the CPU transport it runs over (the world's, or a
+//       static group's own: the check of group [0, 2] pairs the group's ranks), on every device.
 //   run(): body runs on the CPU transport's worker thread with the tensors' device current, after
 //       the caller's current stream was synchronised; it synchronises its own stream before the
 //       Work completes, so wait() returning means the results are in place.
@@ -41,10 +43,13 @@ class StagedTransport final : public Transport {
   c10::intrusive_ptr<c10d::Work> run(WorkInfo info, std::vector<at::Tensor> outputs,
                                      std::function<void()> body,
                                      std::vector<at::Tensor> inputs = {}) override;
+  // On every device (CPU tensors too, so tests/comm runs the CUDA route): a host channel.
+  std::shared_ptr<Transport> agreementChannel() const override;
 
  private:
   c10::DeviceType device_;
   std::shared_ptr<Transport> cpu_;
+  std::shared_ptr<Transport> host_;  // cpu_'s host channel (its rank space): the agreements'
 };
 
 // The world backend's plug-in for `device` on the staged transport: its collectives are the P2P

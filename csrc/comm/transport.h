@@ -70,6 +70,15 @@ class Transport {
   virtual int worldSize() const = 0;  // global size
   virtual std::chrono::milliseconds timeout() const = 0;
 
+  // Where the agreement primitive (comm/agreement.h: the consistency check of the collectives
+  // run on this transport) exchanges its digests, in THIS transport's rank space. nullptr: over
+  // this transport itself, inline (CPU transports: inside run() bodies, in the worker's order).
+  // Otherwise a host channel whose exchanges are never queued behind communication. The default
+  // (agreement.cpp): inline on CPU, else the world CPU transport's host channel, which is right
+  // for transports whose ranks are world ranks; a transport of a static group (ranks 0..k-1 of
+  // the group) must return a channel over the group's own CPU transport.
+  virtual std::shared_ptr<Transport> agreementChannel() const;
+
   // Launch a batch of P2P ops on the one global communicator. `what` names the caller (op and
   // group) for error messages. An empty batch is allowed and returns an already-complete exchange.
   virtual std::unique_ptr<PendingExchange> exchange(const std::vector<P2POp>& ops,

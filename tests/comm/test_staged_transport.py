@@ -40,3 +40,43 @@ def test_staged_transport_moves_bytes_like_the_cpu_transport():
             for posted in (False, True):
                 assert torch.equal(out[(str(dtype), posted)], want), (rank, dtype, posted)
         assert torch.equal(out["all_reduce"], torch.arange(10, dtype=torch.float64) * 6)
+
+
+def _staged_static_group(rank, world, members):
+    """A static group's collectives on the staged plug-in (what a static group gets with
+    BYTESCALE_CUDA_TRANSPORT=staged), here on CPU tensors: the consistency check runs on the host
+    channel as on CUDA, and must pair the GROUP's ranks, not the world's."""
+    import datetime
+
+    import torch.distributed as dist
+    from bytescale import _C
+
+    group = dist.new_group(members, timeout=datetime.timedelta(seconds=20))
+    out = None
+    if rank in members:
+        staged = _C.comm._staged_group_backend(group._get_backend(torch.device("cpu")))
+        t = torch.arange(7, dtype=torch.float64) * (rank + 1)
+        staged.allreduce([t]).wait()
+        # a mismatch is caught by the check (so it ran), the same error on every member
+        bad = torch.zeros(3 + members.index(rank))
+        try:
+            staged.allreduce([bad]).wait()
+            err = None
+        except RuntimeError as e:
+            err = str(e)
+        out = (t, err)
+    dist.barrier()  # non-members stay until the members are done
+    return out
+
+
+def test_staged_static_groups_check_over_the_groups_ranks():
+    for world, members in ((3, [0, 2]), (4, [2, 3])):
+        res = run_distributed(_staged_static_group, world, members, timeout=120)
+        want = torch.arange(7, dtype=torch.float64) * sum(r + 1 for r in members)
+        for rank in range(world):
+            if rank not in members:
+                assert res[rank] is None
+                continue
+            t, err = res[rank]
+            assert torch.equal(t, want), (world, members, rank, t)
+            assert err is not None and "collective mismatch" in err, (world, members, rank, err)

@@ -135,19 +135,23 @@ def _check(ep: int, act_ckpt: bool = False, tp: int = 1):
     return res
 
 
+@pytest.mark.nccl_order
 def test_ep2_over_hdp4_matches_single_process_float64():
     _check(ep=2)
 
 
+@pytest.mark.nccl_order
 def test_ep4_over_hdp4_with_activation_checkpointing_matches_single_process_float64():
     _check(ep=4, act_ckpt=True)
 
 
+@pytest.mark.nccl_order
 def test_ep2_with_tp2_matches_single_process_float64():
     # HDP 2 x TP 2: the EP group is the two units' ranks of one TP index; experts TP-sharded inside
     _check(ep=2, tp=2)
 
 
+@pytest.mark.nccl_order
 def test_ep_without_lockstep_slots_is_refused_on_every_rank_not_hung():
     res = run_distributed(_ep_worker, WORLD, dataclasses.asdict(MOE), 2, False, False, timeout=240)
     for r in res:

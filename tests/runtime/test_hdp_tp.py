@@ -125,11 +125,13 @@ def _check(cfg: LlamaConfig, hdp: int, tp: int, sp: bool = False, fsdp: bool = F
     return rings
 
 
+@pytest.mark.nccl_order
 def test_hdp2_tp2_dense_matches_single_process():
     rings = _check(DENSE, hdp=2, tp=2)
     assert 2 in rings
 
 
+@pytest.mark.nccl_order
 def test_hdp3_tp2_replicated_kv_sequence_parallel_matches_single_process():
     # one KV head for TP 2: each rank computes the shared KV head from the replicated K/V weights;
     # norms on half the tokens (sequence parallelism)
@@ -137,6 +139,7 @@ def test_hdp3_tp2_replicated_kv_sequence_parallel_matches_single_process():
     assert {2, 3} <= rings, rings
 
 
+@pytest.mark.nccl_order
 def test_hdp2_tp2_moe_sequence_parallel_matches_single_process():
     moe = dataclasses.replace(DENSE, n_experts=4, top_k=2, ffn_dim=24)
     _check(moe, hdp=2, tp=2, sp=True)

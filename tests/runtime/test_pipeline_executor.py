@@ -192,6 +192,21 @@ def test_a_plan_for_another_depth_raises_on_every_stage():
         assert kind == "ValueError" and "3" in msg and "2" in msg, msg
 
 
+def _ep_pipeline_worker(rank, world):
+    import bytescale
+    from bytescale import HybridDataParallel, PipelineExecutor
+
+    mesh = bytescale.init_mesh(pp=2, ep=2)
+    net = _model(CFG).pipeline_stage(mesh.stage, mesh.pp)
+    model = HybridDataParallel(net, process_group=mesh.group("hdp"))
+    return capture_error(lambda: PipelineExecutor(model, mesh=mesh))
+
+
+def test_an_expert_parallel_mesh_is_refused_like_the_trainer_does():
+    for kind, msg, _ in run_distributed(_ep_pipeline_worker, 4, timeout=180):
+        assert kind == "ValueError" and "expert parallelism (mesh ep=2)" in msg, msg
+
+
 def test_a_layer_count_the_stages_do_not_divide_raises():
     with pytest.raises(ValueError, match="3 stages do not divide the model's 2 layers"):
         _model(CFG).pipeline_stage(0, 3)

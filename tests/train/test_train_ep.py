@@ -39,12 +39,14 @@ def runs(tmp_path_factory):
 
 
 
+@pytest.mark.nccl_order
 def test_ep4_trains_like_replicated_experts(runs):
     assert "| EP 4 |" in runs["A"]["out"]
     assert_same_steps(runs["R"], runs["A"], range(STEPS))
     assert any(r["ring_sizes"] for r in runs["A"]["metrics"]), "no document was sharded over a ring"
 
 
+@pytest.mark.nccl_order
 def test_resume_ep4_to_ep2_gives_the_uninterrupted_losses(runs):
     assert_same_steps(runs["R"], runs["B"], range(2, STEPS))
     assert "ep 4; now 4, hdp 4 x tp 1, ep 2" in runs["B"]["out"]

@@ -7,7 +7,8 @@
 //   * The communicator is created on the first world collective (every rank calls those) or by
 //     eagerConnectSingleDevice (init_process_group(..., device_id=...)). Point-to-point and
 //     dynamic-group ops before that raise an error (creating it lazily from a subset of ranks
-//     would deadlock).
+//     would deadlock), except on a communicator of two ranks (a pipeline channel's static group),
+//     which its first point-to-point op creates (both ranks take part in every one).
 //   * Works, streams and the watchdog: nccl_work.h, nccl_transport.h, nccl_watchdog.h.
 #pragma once
 

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 
+#include "common/handoff.h"
+
 namespace bytescale {
 namespace cuda {
 
@@ -40,6 +42,14 @@ void enqueueP2P(const std::vector<comm::P2POp>& ops, ncclComm_t comm, cudaStream
       ncclRecvTensor(op.tensor, op.peer, comm, s, what);
   }
   group.end();
+}
+
+// A communicator of two ranks (a pipeline channel's static group, Mesh.p2p_group) is created by
+// its first point-to-point op: both of its ranks take part in any of them. A larger one needs a
+// collective of every member first (NcclComm::require says so).
+void connectForP2P(NcclComm& comm, int size, const std::vector<comm::P2POp>& ops) {
+  if (size == 2 && !ops.empty() && ops[0].tensor.is_cuda())
+    comm.connect(ops[0].tensor.device().index());
 }
 
 void checkPeers(const std::vector<comm::P2POp>& ops, int rank, int size, const std::string& what) {
@@ -88,10 +98,11 @@ c10::intrusive_ptr<NcclWork> NcclTransport::launch(comm::WorkInfo info,
   c10::cuda::CUDAGuard guard(dev);
   auto stream = comm_->stream();
   followCaller(dev, stream);
-  std::vector<at::Tensor> keep = inputs;
-  keep.insert(keep.end(), outputs.begin(), outputs.end());
   if (info.timeout <= std::chrono::milliseconds(0)) info.timeout = timeout_;
-  auto work = c10::make_intrusive<NcclWork>(rank_, std::move(info), dev, keep, std::move(outputs),
+  // The Work (which the watchdog holds and may be the last to drop) holds only Python-free
+  // shallow copies of the outputs (common/handoff.h): a process that exits without
+  // destroy_process_group never has the watchdog free a Python-owned TensorImpl.
+  auto work = c10::make_intrusive<NcclWork>(rank_, std::move(info), dev, handOff(outputs),
                                             comm_, options.cpu_sync);
   {
     c10::cuda::CUDAStreamGuard sg(stream);
@@ -106,8 +117,13 @@ c10::intrusive_ptr<NcclWork> NcclTransport::launch(comm::WorkInfo info,
                      ": " + e.what());
       throw;
     }
-    for (const auto& t : keep)
-      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
+    // The caching allocator reuses the buffers only after the work queued on the comm stream so
+    // far is done, so nothing else keeps them: a ring step's K/V and dK/dV are freed as soon as
+    // the caller drops them, not when the watchdog sees the end event.
+    const std::vector<at::Tensor>* lists[] = {&inputs, &outputs};
+    for (const auto* list : lists)
+      for (const auto& t : *list)
+        c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
     work->recordEnd(stream);
   }
   watchdog_.track(work);
@@ -116,8 +132,9 @@ c10::intrusive_ptr<NcclWork> NcclTransport::launch(comm::WorkInfo info,
 
 std::unique_ptr<comm::PendingExchange> NcclTransport::exchange(const std::vector<comm::P2POp>& ops,
                                                                const std::string& what) {
-  comm_->require(what);
   checkPeers(ops, rank_, size_, what);
+  connectForP2P(*comm_, size_, ops);
+  comm_->require(what);
   std::vector<at::Tensor> ts;
   for (const auto& op : ops) ts.push_back(op.tensor);
   checkNcclTensors(ts, comm_->device(), what);
@@ -136,6 +153,7 @@ c10::intrusive_ptr<c10d::Work> NcclTransport::post(const std::vector<comm::P2POp
   std::vector<at::Tensor> ts;
   for (const auto& op : ops) ts.push_back(op.tensor);
   const std::string what = info.what;
+  connectForP2P(*comm_, size_, ops);
   comm_->require(what);
   checkNcclTensors(ts, comm_->device(), what);
   return launch(std::move(info), ts, ts,

@@ -2,8 +2,9 @@
 // ProcessGroupNCCL launch pattern every CUDA operation of bytescale goes through:
 //   record an event on the caller's current stream, make the comm stream wait on it, enqueue the
 //   NCCL calls on the comm stream, record an end event (NcclWork); Work::wait() makes the caller's
-//   current stream wait on it. Tensors stay alive (Work + caching allocator's recordStream) until
-//   the watchdog sees the end event.
+//   current stream wait on it. The caching allocator's recordStream keeps the tensors' memory
+//   from reuse until the comm stream passed the op; nothing holds the tensors themselves (they are
+//   freed when the caller drops them), and the Work holds Python-free copies of its outputs.
 // Dynamic groups and ring attention use it through comm::Transport; the NCCL backend
 // (nccl_backend.h) launches the world's collectives with launch().
 #pragma once

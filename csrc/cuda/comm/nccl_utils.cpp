@@ -1,10 +1,13 @@
 #include "cuda/comm/nccl_utils.h"
 
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <condition_variable>
 #include <cstring>
+#include <functional>
+#include <utility>
 #include <thread>
 
 namespace bytescale {
@@ -149,8 +152,10 @@ NcclComm::~NcclComm() { destroy(); }
 
 namespace {
 
-// ncclCommInitRank on a thread of its own, so the caller can stop waiting after the timeout. A
-// communicator that arrives after the caller gave up is aborted by that thread.
+// Creates a communicator (ncclCommInitRank, ncclCommSplit: both wait for every rank involved) on
+// a thread of its own, so the caller can stop waiting after the group's timeout and raise
+// `late` instead of blocking forever. A communicator that arrives after the caller gave up is
+// aborted by that thread.
 struct PendingInit {
   std::mutex mu;
   std::condition_variable cv;
@@ -161,16 +166,21 @@ struct PendingInit {
   std::string last_error;
 };
 
-ncclComm_t initRankBounded(int size, const ncclUniqueId& id, int rank, c10::DeviceIndex dev,
-                           std::chrono::milliseconds timeout) {
+using Create = std::function<ncclResult_t(ncclComm_t*)>;
+
+// Returns NCCL's result and the communicator (`error`: NCCL's last error text); raises
+// DistBackendError starting with `late` past `timeout`.
+std::pair<ncclResult_t, ncclComm_t> createBounded(Create create, c10::DeviceIndex dev,
+                                                  std::chrono::milliseconds timeout,
+                                                  const std::string& late, std::string* error) {
   auto st = std::make_shared<PendingInit>();
-  std::thread([st, size, id, rank, dev] {
+  std::thread([st, create = std::move(create), dev] {
     ncclComm_t c = nullptr;
     ncclResult_t r = ncclInternalError;
     std::string err;
     try {
       const c10::cuda::CUDAGuard guard(c10::Device(c10::DeviceType::CUDA, dev));
-      r = ncclCommInitRank(&c, size, id, rank);
+      r = create(&c);
       if (r != ncclSuccess) err = ncclGetLastError(nullptr);
     } catch (const std::exception& e) {
       err = e.what();
@@ -192,24 +202,49 @@ ncclComm_t initRankBounded(int size, const ncclUniqueId& id, int rank, c10::Devi
                             : st->cv.wait_for(lk, timeout, [&] { return st->done; });
   if (!finished) {
     st->abandoned = true;
-    TORCH_CHECK_WITH(DistBackendError, false, "bytescale: creating the world NCCL communicator on "
-                     "cuda:", static_cast<int>(dev), " (rank ", rank, " of ", size,
-                     ") did not complete within ", timeout.count(),
-                     " ms (the process group's timeout): a rank did not join (every rank must "
-                     "pass device_id= or run the first world collective on a CUDA tensor)");
+    TORCH_CHECK_WITH(DistBackendError, false, late, " did not complete within ", timeout.count(),
+                     " ms (the process group's timeout)");
   }
-  if (st->result != ncclSuccess) {
+  *error = st->last_error;
+  return {st->result, st->comm};
+}
+
+ncclComm_t initRankBounded(int size, const ncclUniqueId& id, int rank, c10::DeviceIndex dev,
+                           std::chrono::milliseconds timeout) {
+  std::string err;
+  auto [result, comm] = createBounded(
+      [size, id, rank](ncclComm_t* c) { return ncclCommInitRank(c, size, id, rank); }, dev,
+      timeout,
+      "bytescale: creating the NCCL communicator on cuda:" + std::to_string(dev) + " (rank " +
+          std::to_string(rank) + " of " + std::to_string(size) +
+          ") waits for every rank (of the world: device_id= or the first world collective on a "
+          "CUDA tensor; of a static group: its first collective, or point-to-point op for a "
+          "group of two) and",
+      &err);
+  if (result != ncclSuccess) {
     std::string hint;
-    if (st->result == ncclInvalidUsage)
+    if (result == ncclInvalidUsage)
       hint = " (NCCL refuses two ranks on one GPU: give each rank its own GPU, "
              "device_id=torch.device(\"cuda\", local_rank); for several processes on one GPU use "
              "the staged transport, BYTESCALE_CUDA_TRANSPORT=staged, a development tool)";
     TORCH_CHECK_WITH(DistBackendError, false, "bytescale communicator init: NCCL error in "
                      "ncclCommInitRank on cuda:", static_cast<int>(dev), " (rank ", rank, " of ",
-                     size, "): ", ncclGetErrorString(st->result),
-                     st->last_error.empty() ? std::string() : " (" + st->last_error + ")", hint);
+                     size, "): ", ncclGetErrorString(result),
+                     err.empty() ? std::string() : " (" + err + ")", hint);
   }
-  return st->comm;
+  return comm;
+}
+
+// A communication stream of the communicator's own (not one of the pool's 32, which two live
+// communicators could draw alike: one's waits would then hold the other's ops, the shared-channel
+// deadlock); destroyed with the communicator.
+c10::cuda::CUDAStream ownStream(c10::DeviceIndex dev) {
+  const c10::cuda::CUDAGuard guard(c10::Device(c10::DeviceType::CUDA, dev));
+  int least = 0, greatest = 0;
+  C10_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  cudaStream_t s = nullptr;
+  C10_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest));
+  return c10::cuda::getStreamFromExternal(s, dev);
 }
 
 }  // namespace
@@ -242,7 +277,7 @@ void NcclComm::connect(c10::DeviceIndex dev) {
     std::memcpy(&id, bytes.data(), sizeof(id));
   }
   comm_ = initRankBounded(size_, id, rank_, dev, timeout_);
-  stream_ = c10::cuda::getStreamFromPool(true, dev);
+  stream_ = ownStream(dev);
 }
 
 std::shared_ptr<NcclComm> NcclComm::split(int color, int key,
@@ -251,17 +286,36 @@ std::shared_ptr<NcclComm> NcclComm::split(int color, int key,
   ncclComm_t parent = require("communicator split");
   const c10::Device dev = device();
   c10::cuda::CUDAGuard guard(dev);
-  ncclComm_t child = nullptr;
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  BYTESCALE_NCCL_CHECK(
-      ncclCommSplit(parent, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config),
-      "communicator split");
+  // Bounded by the group's timeout: a rank of the parent that raised before its part of the
+  // split (or died) would otherwise leave the others blocked forever (in init_mesh, new_group).
+  // Past it the parent is aborted (a rank is missing: it cannot be trusted) and this raises.
+  std::string err;
+  std::pair<ncclResult_t, ncclComm_t> made{ncclSuccess, nullptr};
+  try {
+    made = createBounded(
+        [parent, color, key](ncclComm_t* c) {
+          ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+          return ncclCommSplit(parent, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, c, &config);
+        },
+        dev.index(), timeout,
+        "bytescale communicator split (rank " + std::to_string(rank_) + " of " +
+            std::to_string(size_) + " of the parent group): every rank of the parent must take "
+            "part, the new group's members and the others alike; the split",
+        &err);
+  } catch (const c10::DistBackendError& e) {
+    abort(std::string("a communicator split timed out: ") + e.what_without_backtrace());
+    throw;
+  }
+  TORCH_CHECK_WITH(DistBackendError, made.first == ncclSuccess, "bytescale communicator split: "
+                   "NCCL error in ncclCommSplit: ", ncclGetErrorString(made.first),
+                   err.empty() ? std::string() : " (" + err + ")");
+  ncclComm_t child = made.second;
   if (color < 0 || child == nullptr) return nullptr;
   auto out = std::make_shared<NcclComm>(std::move(store), rank, size, timeout);
   std::lock_guard<std::mutex> g(out->mu_);
   out->comm_ = child;
   out->device_ = dev;
-  out->stream_ = c10::cuda::getStreamFromPool(true, dev.index());
+  out->stream_ = ownStream(dev.index());
   return out;
 }
 
@@ -274,9 +328,11 @@ ncclComm_t NcclComm::require(const std::string& what) {
   std::lock_guard<std::mutex> g(mu_);
   TORCH_CHECK_WITH(DistBackendError, !aborted_, "bytescale ", what,
                    ": the NCCL communicator was aborted (", abort_reason_, ")");
-  TORCH_CHECK(comm_, "bytescale ", what, ": the NCCL communicator does not exist yet; pass "
-              "device_id= to init_process_group or run a world collective first (creating it from "
-              "a subset of ranks would deadlock)");
+  TORCH_CHECK(comm_, "bytescale ", what, ": the NCCL communicator of this group (", size_,
+              " ranks) does not exist yet; pass device_id= to init_process_group (the world's is "
+              "then created at once, and static groups' split from it) or run a collective on "
+              "the group first, on every member (creating it from a subset of its ranks would "
+              "deadlock; a group of two creates it on its first point-to-point op)");
   return comm_;
 }
 
@@ -349,10 +405,13 @@ void NcclComm::destroy() {
   } catch (...) {
     return;
   }
-  if (idle)
+  if (idle) {
     (void)ncclCommDestroy(comm);
-  else
-    (void)ncclCommAbort(comm);
+    // The stream is this communicator's own (ownStream); idle, nothing is queued on it any more.
+    if (stream) (void)cudaStreamDestroy(stream->stream());
+  } else {
+    (void)ncclCommAbort(comm);  // the stream may still be busy: left to the process's end
+  }
 }
 
 }  // namespace cuda

@@ -97,16 +97,19 @@ class NcclComm {
   // the group's timeout (it waits for every rank): past it the call raises naming the ranks'
   // rendezvous, instead of hanging.
   void connect(c10::DeviceIndex device);
-  // ncclCommSplit of this (connected) communicator: collective over all its ranks. color >= 0:
-  // the member's new communicator (rank order by key) as an NcclComm of `store`/`rank`/`size`;
-  // color < 0: NCCL's no-color part, returns nullptr.
+  // ncclCommSplit of this (connected) communicator: collective over all its ranks, bounded by
+  // `timeout` (past it this communicator is aborted and the call raises naming the split).
+  // color >= 0: the member's new communicator (rank order by key) as an NcclComm of
+  // `store`/`rank`/`size`; color < 0: NCCL's no-color part, returns nullptr.
   std::shared_ptr<NcclComm> split(int color, int key, c10::intrusive_ptr<c10d::Store> store,
                                   int rank, int size, std::chrono::milliseconds timeout);
   bool connected() const;
   // The communicator for an op; raises naming `what` if it does not exist yet or was aborted.
   ncclComm_t require(const std::string& what);
   c10::Device device() const;
-  c10::cuda::CUDAStream stream() const;  // the communication stream (connected only)
+  // The communication stream (connected only): the communicator's own CUDA stream, never shared
+  // with another communicator (not drawn from torch's pool), destroyed with it.
+  c10::cuda::CUDAStream stream() const;
 
   // Aborts the communicator (idempotent); later require() and waits raise naming `reason`.
   void abort(const std::string& reason);

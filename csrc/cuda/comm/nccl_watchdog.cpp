@@ -49,10 +49,7 @@ std::string sweep(NcclWatchdog::State& st) {
     } catch (const std::exception& e) {
       if (failed.empty()) failed = std::string("CUDA error while polling: ") + e.what();
     }
-    if (done) {
-      w->release();
-      continue;
-    }
+    if (done) continue;  // its Work holds no Python-owned tensor (nccl_transport.cpp)
     const auto limit = w->getTimeout();
     if (failed.empty() && limit > std::chrono::milliseconds(0) && now - w->started() > limit)
       failed = w->timeoutMessage(limit);

@@ -1,8 +1,9 @@
 // The watchdog of the CUDA comm plug-in (after ProcessGroupNCCL's watchdog thread). Nothing in
-// c10d watches a custom backend, so this thread does: it completes the Works whose end event fired
-// (and drops the tensors they kept alive), and on a timeout (a Work older than its group's
-// timeout) or an asynchronous NCCL error it aborts the communicator, so every pending and later
-// wait raises instead of hanging.
+// c10d watches a custom backend, so this thread does: it completes the Works whose end event
+// fired and drops them (a Work holds only Python-free copies of its outputs, so this thread never
+// frees a Python-owned tensor, even while the interpreter finalizes), and on a timeout (a Work
+// older than its group's timeout) or an asynchronous NCCL error it aborts the communicator, so
+// every pending and later wait raises instead of hanging.
 #pragma once
 
 #include <memory>

@@ -9,11 +9,10 @@
 namespace bytescale {
 namespace cuda {
 
-NcclWork::NcclWork(int rank, comm::WorkInfo info, c10::Device device, std::vector<at::Tensor> keep,
+NcclWork::NcclWork(int rank, comm::WorkInfo info, c10::Device device,
                    std::vector<at::Tensor> outputs, std::shared_ptr<NcclComm> comm, bool cpu_sync)
     : comm::Work(rank, std::move(info), std::move(outputs), {device}),
       device_(device),
-      keep_(std::move(keep)),
       comm_(std::move(comm)),
       cpu_sync_(cpu_sync),
       start_(std::chrono::steady_clock::now()) {}
@@ -46,16 +45,6 @@ void NcclWork::fail(const std::string& reason) {
   complete(std::make_exception_ptr(c10::DistBackendError(
       {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
       "bytescale " + info_.what + ": the NCCL communicator was aborted (" + reason + ")")));
-}
-
-void NcclWork::release() {
-  std::vector<at::Tensor> drop;
-  {
-    std::lock_guard<std::mutex> g(mutex_);
-    drop.swap(keep_);
-  }
-  // Dropped here, outside the Work's mutex: freeing a tensor may need the GIL (a Python-owned
-  // tensor), which a thread waiting on this Work may hold (the deadlock class of 2c4a8db).
 }
 
 std::string NcclWork::timeoutMessage(std::chrono::milliseconds limit) const {

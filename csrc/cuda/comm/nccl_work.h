@@ -15,8 +15,9 @@ namespace cuda {
 
 class NcclWork final : public comm::Work {
  public:
-  NcclWork(int rank, comm::WorkInfo info, c10::Device device, std::vector<at::Tensor> keep,
-           std::vector<at::Tensor> outputs, std::shared_ptr<NcclComm> comm, bool cpu_sync);
+  // outputs: Python-free (common/handoff.h): the watchdog may drop the last reference.
+  NcclWork(int rank, comm::WorkInfo info, c10::Device device, std::vector<at::Tensor> outputs,
+           std::shared_ptr<NcclComm> comm, bool cpu_sync);
 
   // Launch side (comm stream current): records the end event and completes the CUDA-aware future
   // on the communication stream.
@@ -31,8 +32,6 @@ class NcclWork final : public comm::Work {
   bool poll();
   // Fails the Work with `reason` (the communicator was aborted).
   void fail(const std::string& reason);
-  // Drops the tensors kept alive for the GPU (after completion).
-  void release();
   std::chrono::steady_clock::time_point started() const { return start_; }
   // The message of a timeout found by the watchdog after `limit`.
   std::string timeoutMessage(std::chrono::milliseconds limit) const;
@@ -41,7 +40,6 @@ class NcclWork final : public comm::Work {
   void checkAborted() const;
 
   c10::Device device_;
-  std::vector<at::Tensor> keep_;  // guarded by mutex_
   std::shared_ptr<NcclComm> comm_;
   bool cpu_sync_;
   CudaEvent end_;
