@@ -87,3 +87,4 @@ def test_a_broken_world_never_serves_the_next_test(breaker, error):
     after = run_distributed(_identity, WORLD)  # its own verdict: a new, healthy world
     assert [r["sum"] for r in after] == [6.0] * WORLD
     assert not {r["pid"] for r in after} & {r["pid"] for r in before}
+
