@@ -22,7 +22,7 @@ import json
 import re
 import sys
 import time
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
@@ -169,6 +169,7 @@ def _run(args: argparse.Namespace) -> int:
             f"capacity {cap} tokens/{'unit' if args.tp > 1 else 'GPU'}; simulated in {took:.2f} s")
     print(head)
     print(table(results))
+    doc = None
     if args.json:
         doc = {"config": {"source": source, "model": args.model, "gpus": args.gpus,
                           "gpus_per_node": args.gpus_per_node, "tp": args.tp, "pp": args.pp, "ep": args.ep, "context": context, "capacity": cap,
@@ -180,6 +181,14 @@ def _run(args: argparse.Namespace) -> int:
         if base:
             for r in doc["strategies"].values():
                 r["speedup_vs_static"] = base["step_time_s"] / r["step_time_s"]
+    _write_outputs(args, doc,
+                   lambda path: timeline_png(results, path, args.max_ranks_drawn, title=head.split(";")[0]))
+    return 0
+
+
+def _write_outputs(args: argparse.Namespace, doc: Optional[dict], draw: Callable[[str], None]) -> None:
+    """``--json``: ``doc`` written there; ``--png``: ``draw(path)`` (needs matplotlib)."""
+    if args.json and doc is not None:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
         print(f"wrote {args.json}")
@@ -188,9 +197,8 @@ def _run(args: argparse.Namespace) -> int:
 
         if importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--png needs matplotlib (pip install matplotlib)")
-        timeline_png(results, args.png, args.max_ranks_drawn, title=head.split(";")[0])
+        draw(args.png)
         print(f"wrote {args.png}")
-    return 0
 
 
 def _compare(args: argparse.Namespace, context: int) -> int:
@@ -208,17 +216,7 @@ def _compare(args: argparse.Namespace, context: int) -> int:
                                 seed=args.seed, cluster=args.cluster, labels=labels)
     doc["config"]["simulation_s"] = time.perf_counter() - t0
     print(compare_table(doc))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
-        print(f"wrote {args.json}")
-    if args.png:
-        import importlib.util
-
-        if importlib.util.find_spec("matplotlib") is None:
-            raise ValueError("--png needs matplotlib (pip install matplotlib)")
-        compare_png(doc, args.png)
-        print(f"wrote {args.png}")
+    _write_outputs(args, doc, lambda path: compare_png(doc, path))
     return 0
 
 
