@@ -63,6 +63,8 @@ def _run_suite(tmp_path):
 
 @pytest.mark.timeout(BUDGET_S + 60)
 def test_torch_distributed_suite_on_bytescale(tmp_path):
+    """Slow: torch's own distributed test suite (hundreds of cases, each its own processes) in one
+    subprocess on the bytescale backend; its value is its breadth."""
     proc, tree = _run_suite(tmp_path)
     passed, skipped, failed = [], {}, {}
     for case in tree.iter("testcase"):

@@ -204,6 +204,9 @@ def chain(tmp_path_factory):
 
 @pytest.mark.parametrize("point", [s[0] for s in STAGES])
 def test_survivors_fail_clearly_in_time_and_the_job_resumes(chain, point):
+    """Slow (the first stage): the module's chain fixture runs the uninterrupted reference job and
+    every faulty job, real torchrun-style processes with process-group timeouts, before any stage
+    is checked."""
     job = chain["stages"][point]
     procs, victim, name = job["procs"], job["victim"], job["name"]
     what = (f"{name}: rank {victim} of {job['world']} {'frozen' if job['sig'] == 'SIGSTOP' else 'killed'} at "

@@ -76,6 +76,8 @@ def _compare(ref: dict, got: dict, first: int) -> None:
 
 @pytest.mark.parametrize("tag", ["", "_fsdp"])
 def test_4_to_3_ranks_continues_on_the_same_batches_and_losses(runs, tag):
+    """Slow: the module's fixture launches the real entry point several times (an uninterrupted
+    run, then resumes on other world sizes) under torchrun."""
     a, b = runs["A"], runs["B" + tag]
     _compare(a, b, 2)
     assert b["samples"] == a["samples"][2:]

@@ -41,6 +41,8 @@ def runs(tmp_path_factory):
 
 
 def test_tp2_trains_and_plans_units(runs):
+    """Slow: the module's fixture launches the real entry point (torchrun, 4 processes) for the
+    TP runs this module's tests compare."""
     a = runs["A"]
     assert "4 ranks on cpu (hdp 2 x tp 2)" in a["out"]
     m = a["metrics"]
