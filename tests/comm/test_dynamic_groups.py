@@ -218,7 +218,15 @@ def _churn(rank, world, rounds):
     import bytescale.comm as bc
 
     subsets = [p for k in range(1, world + 1) for p in itertools.permutations(range(world), k)]
-    bc._CACHE_SIZE = 8  # every round of the cached loop creates one group and evicts one
+    cache_size, bc._CACHE_SIZE = bc._CACHE_SIZE, 8  # every round of the cached loop creates one group and evicts one
+    try:
+        return _churn_rounds(rank, world, rounds, subsets)
+    finally:
+        bc._CACHE_SIZE = cache_size  # the process serves later tests (pooled worlds)
+
+
+def _churn_rounds(rank, world, rounds, subsets):
+    import bytescale.comm as bc
 
     def one_round(i):
         g = bytescale.dynamic_group(subsets[i % len(subsets)], cache=False)
