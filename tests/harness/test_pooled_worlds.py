@@ -79,7 +79,7 @@ def test_a_broken_world_never_serves_the_next_test(breaker, error):
     t0 = time.monotonic()
     with pytest.raises(error) as info:
         run_distributed(breaker, WORLD, timeout=8 if dist_utils._pooling() else 60)  # a warm world starts at once
-    assert time.monotonic() - t0 < 60  # the others were ended, not waited for
+    assert time.monotonic() - t0 < 90  # the others were ended, not waited for (the hang: its limit)
     if error is mp.ProcessRaisedException:
         assert "rank 1 refuses" in str(info.value) and "Process 1" in str(info.value)
     if error is mp.ProcessExitedException:
