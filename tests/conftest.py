@@ -68,9 +68,27 @@ def pytest_generate_tests(metafunc):
     if mode == "off" or not _wants_nccl_order(metafunc):
         return
     modes = {"both": [False, True], "only": [True]}[mode]
+    ids = ["nccl-order" if m else "gloo-order" for m in modes]
+    if "module_execution_model" in metafunc.fixturenames:  # a module-scoped fixture runs the ranks
+        metafunc.parametrize("module_execution_model", modes, indirect=True, scope="module", ids=ids)
+        return
     metafunc.fixturenames.append("cuda_execution_model")
     metafunc.parametrize("cuda_execution_model", modes, indirect=True,
                          ids=["nccl-order" if m else "gloo-order" for m in modes])
+
+
+@pytest.fixture(scope="module")
+def module_execution_model(request):
+    """As :func:`cuda_execution_model`, for a module-scoped fixture that starts the processes (the
+    training entry point's runs): a function-scoped variable would be set only after such a
+    fixture ran, so its ``[nccl-order]`` variant would silently run in Gloo order."""
+    on = bool(getattr(request, "param", False))
+    if not on:
+        yield False
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BYTESCALE_NCCL_ORDER", "1")
+        yield True
 
 
 @pytest.fixture

@@ -24,6 +24,14 @@ group itself, changes process-wide state it cannot undo, or kills its own rank o
 ``BYTESCALE_TEST_POOL=0`` (every call) gives new processes that end with the call.
 ``BYTESCALE_TEST_POOL_PROCS`` bounds the processes kept alive (default 12; the least recently used
 world goes first).
+
+**Forked from a server with torch loaded.** Importing torch costs about 2 s of CPU per process on
+the 2-core test machine. Worlds (pooled or fresh) are started by a multiprocessing *forkserver*
+that imports torch once (:data:`PRELOAD`) and forks every rank from that clean, single-threaded
+state; each rank then takes the caller's environment and imports bytescale itself, so knobs read
+at import or first use see the test's values. ``BYTESCALE_TEST_START=spawn`` starts every rank as a
+new interpreter instead. :func:`forked` runs any function in such a process (the training entry
+point's tests run ``bytescale.train``'s ``main`` in worlds of them).
 """
 from __future__ import annotations
 
@@ -45,6 +53,11 @@ import torch
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 180.0
+
+# Imported once by the forkserver, inherited by every rank it forks. Not bytescale: its knobs are
+# read from the environment a rank is given.
+PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "torch.distributed.checkpoint",
+           "torch.distributed.fsdp", "torch.distributed.tensor", "numpy"]
 
 _VOLATILE_ENV_PREFIXES = ("PYTEST_",)  # changes per test, read by nothing under test
 
@@ -75,7 +88,10 @@ def _restore(env0: Dict[str, str], seed0: int, dtype0: torch.dtype) -> None:
     gc.collect()
 
 
-def _serve(rank: int, world_size: int, backend: str, conn, one_shot: bool) -> None:
+def _serve(rank: int, world_size: int, backend: str, conn, one_shot: bool, env: Dict[str, str]) -> None:
+    # A forked rank starts with the forkserver's environment: take the caller's (as spawn would).
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -132,13 +148,13 @@ class _World:
     """``world_size`` live worker processes and the parent's end of a pipe to each."""
 
     def __init__(self, world_size: int, backend: str, one_shot: bool):
-        ctx = mp.get_context("spawn")
+        ctx = start_context()
         self.world_size = world_size
         self.conns: List[Any] = []
         self.procs: List[Any] = []
         for rank in range(world_size):
             parent, child = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=_serve, args=(rank, world_size, backend, child, one_shot),
+            p = ctx.Process(target=_serve, args=(rank, world_size, backend, child, one_shot, dict(os.environ)),
                             name=f"bytescale-test-rank{rank}", daemon=False)
             p.start()
             child.close()
@@ -219,6 +235,22 @@ class _World:
                             f"process {r} terminated with exit code {code}", r, self.procs[r].pid,
                             code)
                     # exit code 0 without a reply: the rank ended itself (os._exit(0)); no result
+
+
+_ctx = None
+
+
+def start_context():
+    """The multiprocessing context ranks start from: the forkserver with :data:`PRELOAD` imported
+    (``BYTESCALE_TEST_START=spawn``: new interpreters)."""
+    global _ctx
+    if _ctx is None:
+        if os.environ.get("BYTESCALE_TEST_START", "forkserver") == "spawn":
+            _ctx = mp.get_context("spawn")
+        else:
+            _ctx = mp.get_context("forkserver")
+            _ctx.set_forkserver_preload(PRELOAD)
+    return _ctx
 
 
 _pool: "collections.OrderedDict[tuple, _World]" = collections.OrderedDict()

@@ -69,6 +69,12 @@ def cuda_device_index(local_rank: int, device_count: int, transport: str) -> int
     return local_rank
 
 
+def _nccl_order() -> bool:
+    from ..testing import nccl_order
+
+    return nccl_order()
+
+
 def init_distributed(device: str) -> bool:
     """Join (or, without torchrun, create a one-process) ``bytescale`` process group; True if created."""
     import bytescale  # noqa: F401  (registers the backend)
@@ -227,7 +233,9 @@ class Trainer:
             f"planner {cfg.hdp.strategy}{f' cp={static_cp}' if static_cp else ''}"
             f"{' +offload' if cfg.hdp.offload else ''}{' | FSDP2' if cfg.hdp.fsdp else ''}"
             f"{' | bf16' if cfg.train.bf16 else ''}{' | act-ckpt' if cfg.train.activation_checkpointing else ''}"
-            f"{' | compiled' if cfg.train.compile else ''} | steps {self.step}->{cfg.train.steps}")
+            f"{' | compiled' if cfg.train.compile else ''}"
+            f"{' | NCCL order on CPU' if self.device.type == 'cpu' and _nccl_order() else ''}"
+            f" | steps {self.step}->{cfg.train.steps}")
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _shapes(self) -> Dict[str, tuple]:

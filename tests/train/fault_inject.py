@@ -1,4 +1,5 @@
-"""One rank of a fault-injection run (tests/train/test_faults.py): ``python fault_inject.py SPEC ARGS...``.
+"""One rank of a fault-injection run (tests/train/test_faults.py): ``python fault_inject.py SPEC ARGS...``
+(or :func:`forked`, the same in a process forked from the test harness' forkserver).
 
 SPEC is JSON: ``{"point": P, "rank": R, "step": K, "signal": S, "report": FILE}``. The process runs
 the real training entry point (``bytescale.train.__main__.main(ARGS)``) unchanged. If this is rank
@@ -116,6 +117,23 @@ def _install(point: str, at_step: int) -> None:
         dist.all_reduce = all_reduce
     elif point != "none":
         raise ValueError(f"fault_inject: unknown point {point!r}")
+
+
+def forked(spec: str, argv: list, env: dict, log: str) -> None:
+    """The same rank as ``python fault_inject.py SPEC ARGV...``, in a process forked from the test
+    harness' forkserver (torch already imported): its own session, the given environment, stdout
+    and stderr to ``log``; exits with ``main``'s status (an exception: its traceback, status 1)."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.argv = [__file__, spec, *argv]
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
 
 
 def main() -> int:

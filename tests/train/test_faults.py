@@ -36,8 +36,6 @@ import random
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -53,7 +51,6 @@ PG_TIMEOUT_S = 5
 MARGIN_S = 20.0  # the survivor's teardown and interpreter exit on a loaded 2-core machine
 JOB_TIMEOUT_S = 120.0  # hard limit of one job; stragglers are SIGKILLed and the stage fails
 SEED = int(os.environ.get("BYTESCALE_FAULT_SEED", "1"))
-CHILD = Path(__file__).resolve().parent / "fault_inject.py"
 TRAIN = ["--data", "synthetic:byted", "--synthetic-docs", "200", "--synthetic-scale", "0.01",
          "--model", "mixtral-tiny", "--capacity", "128", "--tokens-per-batch", "768", "--steps", STEPS,
          "--warmup-steps", "2", "--progress=false"]
@@ -89,9 +86,7 @@ def _job(d: Path, name: str, world: int, args: List, point: str = "none", victim
                    BYTESCALE_TRAIN_TIMEOUT_S=str(PG_TIMEOUT_S),
                    PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]))
         logs.append(d / f"{name}.rank{r}.log")
-        with open(logs[-1], "w") as f:
-            procs.append(subprocess.Popen([sys.executable, str(CHILD), spec, *map(str, args)], stdout=f,
-                                          stderr=subprocess.STDOUT, env=env, cwd=str(REPO), start_new_session=True))
+        procs.append(_Rank(spec, [str(a) for a in args], env, str(logs[-1])))
     metrics = Path(args[args.index("--metrics") + 1])
     exits: List[Optional[float]] = [None] * world
     fault = kill_at = None
@@ -119,7 +114,10 @@ def _job(d: Path, name: str, world: int, args: List, point: str = "none", victim
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
                 p.wait()
     reports = []
     for r in range(world):
@@ -127,6 +125,36 @@ def _job(d: Path, name: str, world: int, args: List, point: str = "none", victim
         reports.append(json.loads(f.read_text()) if f.exists() else None)
     return {"procs": procs, "exits": exits, "fault": fault, "reports": reports,
             "logs": [p.read_text(errors="replace") if p.exists() else "" for p in logs]}
+
+
+class _Rank:
+    """One rank's process: :func:`fault_inject.forked` in a process forked from the harness'
+    forkserver (torch already imported), its own session; the ``subprocess.Popen`` calls used here."""
+
+    def __init__(self, spec: str, argv: List[str], env: Dict[str, str], log: str):
+        import fault_inject
+        from dist_utils import start_context
+
+        self.proc = start_context().Process(target=fault_inject.forked, args=(spec, argv, env, log))
+        self.proc.start()
+        self.pid = self.proc.pid
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self.proc.exitcode
+
+    def poll(self) -> Optional[int]:
+        return self.proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def wait(self) -> int:
+        self.proc.join()
+        return self.proc.exitcode
 
 
 def _stopped(pid: int) -> bool:
@@ -204,7 +232,7 @@ def chain(tmp_path_factory):
 
 @pytest.mark.parametrize("point", [s[0] for s in STAGES])
 def test_survivors_fail_clearly_in_time_and_the_job_resumes(chain, point):
-    """Slow (the first stage): the module's chain fixture runs the uninterrupted reference job and
+    """Slow: (the first stage) the module's chain fixture runs the uninterrupted reference job and
     every faulty job, real torchrun-style processes with process-group timeouts, before any stage
     is checked."""
     job = chain["stages"][point]

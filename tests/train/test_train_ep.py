@@ -23,17 +23,22 @@ COMMON = ["--data", "synthetic:byted", "--synthetic-docs", "400", "--synthetic-s
           "--lr", "3e-3", "--progress=false", "--keep", "0", "--model", "mixtral-tiny", "--vocab-size", "64"]
 
 
-def _run(d: Path, name: str, nproc: int, *extra) -> dict:
-    return logged_run(d, name, nproc, COMMON + list(extra))
+def _run(d: Path, name: str, nproc: int, *extra, torchrun: bool = False) -> dict:
+    return logged_run(d, name, nproc, COMMON + list(extra), torchrun=torchrun)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, module_execution_model):
+    """The three runs, once per execution order (``[nccl-order]``: every rank in CUDA's)."""
     d = tmp_path_factory.mktemp("ep")
-    out = {"R": _run(d, "R", 4)}
+    out = {"R": _run(d, "R", 4, torchrun=True)}
+    for run in ("R",):  # every rank ran in the order this variant asks for
+        assert ("NCCL order on CPU" in out[run]["out"]) == module_execution_model, out[run]["out"][-2000:]
     out["A"] = _run(d, "A", 4, "--ep", "4", "--checkpoint-dir", d / "ckA", "--save-every", "2")
     out["B"] = _run(d, "B", 4, "--ep", "2", "--checkpoint-dir", d / "ckB",
                     "--resume-from", d / "ckA" / "step-00000002")
+    for run in ("A", "B"):
+        assert ("NCCL order on CPU" in out[run]["out"]) == module_execution_model, out[run]["out"][-2000:]
     return out
 
 

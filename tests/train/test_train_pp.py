@@ -24,14 +24,14 @@ STEPS = 6
 COMMON = TINY_RUN + ["--steps", STEPS]
 
 
-def _run(d: Path, name: str, nproc: int, *extra) -> dict:
-    return logged_run(d, name, nproc, COMMON + list(extra))
+def _run(d: Path, name: str, nproc: int, *extra, torchrun: bool = False) -> dict:
+    return logged_run(d, name, nproc, COMMON + list(extra), torchrun=torchrun)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("pp")
-    out = {"R": _run(d, "R", 2)}
+    out = {"R": _run(d, "R", 2, torchrun=True)}
     out["A"] = _run(d, "A", 4, "--pp", "2", "--strategy", "pp-balance", "--checkpoint-dir", d / "ckA",
                     "--save-every", "2")
     out["B"] = _run(d, "B", 2, "--pp", "2", "--strategy", "pp-balance", "--checkpoint-dir", d / "ckB",

@@ -33,9 +33,10 @@ COMMON = ["--length-scale", "0.02", "--capacity", "128", "--tokens-per-batch", "
           "--warmup-steps", "2", "--lr", "3e-3", "--progress=false", "--keep", "0"]
 
 
-def _run(d: Path, name: str, nproc: int, *extra) -> dict:
+def _run(d: Path, name: str, nproc: int, *extra, torchrun: bool = False) -> dict:
     res = ok(launch(nproc, ["--data", d / "store"] + COMMON + ["--metrics", d / f"{name}.jsonl",
-                                                               "--samples-log", d / f"{name}.samples.jsonl", *extra]))
+                                                               "--samples-log", d / f"{name}.samples.jsonl", *extra],
+                    torchrun=torchrun))
     return {"metrics": jsonl(d / f"{name}.jsonl"), "samples": jsonl(d / f"{name}.samples.jsonl"), "out": res.stdout}
 
 
@@ -46,7 +47,7 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("resume")
     prepare([], str(d / "store"), python_packages=True, max_packages=30, max_doc_bytes=40000, progress=False,
             plot=False)
-    out = {"dir": d, "A": _run(d, "A", 4, "--checkpoint-dir", d / "ckA", "--save-every", "2")}
+    out = {"dir": d, "A": _run(d, "A", 4, "--checkpoint-dir", d / "ckA", "--save-every", "2", torchrun=True)}
     for tag, fsdp in (("", []), ("_fsdp", ["--fsdp"])):
         out["B" + tag] = _run(d, "B" + tag, 3, "--checkpoint-dir", d / f"ckB{tag}", "--save-every", "2",
                               "--resume-from", d / "ckA" / "step-00000002", *fsdp)

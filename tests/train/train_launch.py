@@ -1,5 +1,13 @@
-"""Launchers for the training entry point's tests: real ``torchrun -m bytescale.train`` processes
-(or one plain process), a hard timeout, output captured."""
+"""Launchers for the training entry point's tests: ``bytescale.train``'s ``main`` in a world of real
+processes (env:// rendezvous as under torchrun), or under ``torchrun`` itself; a hard timeout, output
+captured.
+
+Each test module launches its first run through ``torchrun -m bytescale.train`` (``torchrun=True``),
+the entry point as users start it. The others run ``main`` in ranks forked from the test harness'
+forkserver (torch already imported: tests/dist_utils.py), with the environment torchrun would set
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT): the same code path from
+``init_process_group`` on, without paying an interpreter and a torch import per rank and run.
+"""
 from __future__ import annotations
 
 import json
@@ -27,8 +35,74 @@ def _env() -> Dict[str, str]:
     return env
 
 
-def launch(nproc: int, args: Sequence[str], timeout: float = 240.0, cwd: str = None) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node nproc -m bytescale.train args`` (nproc 0: plain ``python -m``)."""
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _main_in_rank(rank: int, world: int, nproc: int, argv: List[str], port: int, out_dir: str, cwd: str) -> int:
+    """One rank of a world run: torchrun's environment, stdout/stderr to files, ``main``'s status."""
+    os.chdir(cwd)
+    if nproc:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    out = os.open(os.path.join(out_dir, f"out.{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    err = os.open(os.path.join(out_dir, f"err.{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    from bytescale.train.__main__ import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse (--help, a bad option)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - as an interpreter would: the traceback on stderr, status 1
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return code
+
+
+def _world_launch(nproc: int, args: Sequence[str], timeout: float, cwd: str) -> subprocess.CompletedProcess:
+    import tempfile
+
+    from dist_utils import run_distributed
+
+    argv = [str(a) for a in args]
+    old = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "BYTESCALE_TRAIN_TIMEOUT_S")}
+    env = _env()
+    os.environ.update(OMP_NUM_THREADS=env["OMP_NUM_THREADS"], BYTESCALE_TRAIN_TIMEOUT_S=env["BYTESCALE_TRAIN_TIMEOUT_S"])
+    try:
+        with tempfile.TemporaryDirectory(prefix="bytescale-train-") as out_dir:
+            codes = run_distributed(_main_in_rank, max(nproc, 1), nproc, argv, _free_port(), out_dir, cwd,
+                                    init=False, fresh=True, timeout=timeout)
+            read = lambda name: "".join(Path(out_dir, f"{name}.{r}").read_text(errors="replace")  # noqa: E731
+                                        for r in range(max(nproc, 1)))
+            stdout, stderr = read("out"), read("err")
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    code = next((c for c in codes if c), 0)
+    return subprocess.CompletedProcess(["bytescale.train (world of %d)" % max(nproc, 1), *argv], code, stdout, stderr)
+
+
+def launch(nproc: int, args: Sequence[str], timeout: float = 240.0, cwd: str = None,
+           torchrun: bool = False) -> subprocess.CompletedProcess:
+    """``bytescale.train``'s ``main`` with ``args`` on ``nproc`` ranks (0: one process without
+    torchrun's environment, as ``python -m bytescale.train``); ``torchrun=True``: the real
+    ``torchrun --nproc_per_node nproc -m bytescale.train args`` (``python -m`` for 0)."""
+    if not torchrun:
+        return _world_launch(nproc, args, timeout, cwd or str(REPO))
     if nproc:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "-m", "bytescale.train", *map(str, args)]
@@ -55,11 +129,12 @@ def jsonl(path) -> List[dict]:
 
 
 
-def logged_run(d: Path, name: str, nproc: int, args: Sequence[str], timeout: float = 420.0) -> dict:
+def logged_run(d: Path, name: str, nproc: int, args: Sequence[str], timeout: float = 420.0,
+               torchrun: bool = False) -> dict:
     """A successful ``launch`` whose metrics and samples go to ``d/name.jsonl`` and
     ``d/name.samples.jsonl``: returns them (parsed) and the run's stdout."""
     res = ok(launch(nproc, list(args) + ["--metrics", d / f"{name}.jsonl", "--samples-log",
-                                         d / f"{name}.samples.jsonl"], timeout=timeout))
+                                         d / f"{name}.samples.jsonl"], timeout=timeout, torchrun=torchrun))
     return {"metrics": jsonl(d / f"{name}.jsonl"), "samples": jsonl(d / f"{name}.samples.jsonl"), "out": res.stdout}
 
 
