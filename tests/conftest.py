@@ -41,6 +41,14 @@ def pytest_addoption(parser):
                           "modes (default), only those, or none")
 
 
+def pytest_sessionstart(session):
+    # The ranks' forkserver (tests/dist_utils.py), with the session's environment, before any test
+    # changes it; it imports torch in the background while collection goes on.
+    import dist_utils
+
+    dist_utils.start_context()
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "multiprocess: starts several real processes (dist_utils.run_distributed)")
     config.addinivalue_line("markers", "nccl_order: also run under CUDA's execution model on CPU "

@@ -250,6 +250,11 @@ def start_context():
         else:
             _ctx = mp.get_context("forkserver")
             _ctx.set_forkserver_preload(PRELOAD)
+            # Started now, with this process' environment: ranks that do not set their own
+            # (torch's harness) get it, not that of whichever test happened to start the server.
+            from multiprocessing import forkserver
+
+            forkserver.ensure_running()
     return _ctx
 
 

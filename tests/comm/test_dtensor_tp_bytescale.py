@@ -43,7 +43,6 @@ from torch.distributed.tensor.parallel import (  # noqa: E402
     loss_parallel,
     parallelize_module,
 )
-from torch.testing._internal.common_distributed import MultiProcessTestCase  # noqa: E402
 from torch.testing._internal.common_utils import run_tests  # noqa: E402
 from torch.testing._internal.distributed._tensor.common_dtensor import (  # noqa: E402
     ModelArgs,
@@ -95,12 +94,17 @@ def _sp_loss_parallel_plan(model: Transformer, tp_mesh) -> Transformer:
 class TestDTensorTensorParallelOnBytescale(BytescaleDTensorTestBase):
     """world size 4 (the harness default), every group on bytescale.
 
-    Ranks are SPAWNED here (the harness' own way), not forked: in the full suite the pytest
-    process has run other tests and holds their threads, and a fork copies locks those threads
-    held (the ranks then stall). The class body carries the bytescale overrides, so a spawned rank
-    that imports this module gets them."""
+    Ranks are not forked from the pytest process: in the full suite it has run other tests and
+    holds their threads, and a fork copies locks those threads held (the ranks then stall). They
+    are started as torch's harness spawns them, but from the test harness' forkserver
+    (tests/dist_utils.py: a clean process with torch imported, started with the session), which
+    saves each rank its interpreter start and torch import. The class body carries the bytescale
+    overrides, so a rank that imports this module gets them."""
 
-    _spawn_processes = MultiProcessTestCase._spawn_processes
+    def _spawn_processes(self) -> None:
+        from dist_utils import start_context
+
+        self._start_processes(start_context().Process)
 
     def _assert_on_bytescale(self, mesh) -> None:
         for dim in range(mesh.ndim):

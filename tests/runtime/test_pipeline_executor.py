@@ -226,7 +226,7 @@ def _dying_stage_worker(rank, world):
 
 
 def test_a_stage_that_dies_mid_step_makes_every_survivor_raise():
-    results = run_distributed(_dying_stage_worker, 4, timeout=240, pg_timeout=20.0)
+    results = run_distributed(_dying_stage_worker, 4, timeout=240, pg_timeout=8.0)
     assert results[3] is None
     for kind, msg, took in results[:3]:
         assert kind is not None, "a survivor finished the step although a stage died"
@@ -249,7 +249,7 @@ def test_one_shared_channel_would_deadlock_under_nccl_order(monkeypatch):
     CPU) one group for both directions deadlocks (stage 0 sends the forward of slot 1 while stage
     1 sends the backward of slot 0); the transport's timeout names it, on both stages."""
     monkeypatch.setenv("BYTESCALE_NCCL_ORDER", "1")
-    results = run_distributed(_shared_channel_worker, 2, timeout=240, pg_timeout=15.0)
+    results = run_distributed(_shared_channel_worker, 2, timeout=240, pg_timeout=6.0)
     for kind, msg, took in results:
         assert kind is not None, "one shared channel ran 1F1B to the end under NCCL order"
 
