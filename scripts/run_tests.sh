@@ -29,7 +29,7 @@ stage "set-up (install, build)" bash scripts/setup_env.sh
 cpp_tests() {
   cmake -S . -B build-cpp -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
   cmake --build build-cpp
-  ctest --test-dir build-cpp --output-on-failure
+  ctest --test-dir build-cpp --output-on-failure -j "$(nproc)"
 }
 stage "C++ tests (GoogleTest)" cpp_tests
 stage "C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer" bash scripts/sanitize.sh

@@ -8,4 +8,4 @@ cmake -S . -B build-asan -G Ninja -DBYTESCALE_SANITIZE=ON -DCMAKE_BUILD_TYPE=Deb
 cmake --build build-asan
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:halt_on_error=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-ctest --test-dir build-asan --output-on-failure
+ctest --test-dir build-asan --output-on-failure -j "$(nproc)"

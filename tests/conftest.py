@@ -162,3 +162,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 @pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session):
     session.config._bytescale_items = list(session.items)
+    # Tests whose module can start its work ahead (a long subprocess that mostly waits) do so now,
+    # unless only collecting; the test itself waits for the result and checks it.
+    if not session.config.option.collectonly:
+        for module in {id(it.module): it.module for it in session.items if hasattr(it, "module")}.values():
+            if hasattr(module, "start_in_background"):
+                module.start_in_background()

@@ -88,8 +88,30 @@ def _restore(env0: Dict[str, str], seed0: int, dtype0: torch.dtype) -> None:
     gc.collect()
 
 
-def _serve(rank: int, world_size: int, backend: str, conn, one_shot: bool, env: Dict[str, str]) -> None:
-    # A forked rank starts with the forkserver's environment: take the caller's (as spawn would).
+class _Fd:
+    """A file descriptor of the caller's, duplicated into the started rank (``int`` there)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return (_detach, (reduction.DupFd(self.fd),))
+
+
+def _detach(dup) -> int:
+    return dup.detach()
+
+
+def _serve(rank: int, world_size: int, backend: str, conn, one_shot: bool, env: Dict[str, str],
+           out: int, err: int) -> None:
+    # A forked rank starts with the forkserver's environment and output: take the caller's (as a
+    # spawned one would), so that its output lands in the test's captured output.
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    os.close(out)
+    os.close(err)
     os.environ.clear()
     os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -154,7 +176,8 @@ class _World:
         self.procs: List[Any] = []
         for rank in range(world_size):
             parent, child = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=_serve, args=(rank, world_size, backend, child, one_shot, dict(os.environ)),
+            p = ctx.Process(target=_serve, args=(rank, world_size, backend, child, one_shot, dict(os.environ),
+                                                 _Fd(1), _Fd(2)),
                             name=f"bytescale-test-rank{rank}", daemon=False)
             p.start()
             child.close()

@@ -31,7 +31,7 @@ def _run(d: Path, name: str, nproc: int, *extra, torchrun: bool = False) -> dict
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("pp")
-    out = {"R": _run(d, "R", 2, torchrun=True)}
+    out = {"R": _run(d, "R", 2)}
     out["A"] = _run(d, "A", 4, "--pp", "2", "--strategy", "pp-balance", "--checkpoint-dir", d / "ckA",
                     "--save-every", "2")
     out["B"] = _run(d, "B", 2, "--pp", "2", "--strategy", "pp-balance", "--checkpoint-dir", d / "ckB",

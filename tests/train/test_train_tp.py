@@ -29,7 +29,7 @@ def _run(d: Path, name: str, nproc: int, *extra, torchrun: bool = False) -> dict
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("tp")
-    out = {"A": _run(d, "A", 4, "--tp", "2", "--checkpoint-dir", d / "ckA", "--save-every", "2", torchrun=True)}
+    out = {"A": _run(d, "A", 4, "--tp", "2", "--checkpoint-dir", d / "ckA", "--save-every", "2")}
     out["B"] = _run(d, "B", 3, "--checkpoint-dir", d / "ckB", "--save-every", "2", "--stop-after", "4",
                     "--resume-from", d / "ckA" / "step-00000002")
     out["C"] = _run(d, "C", 4, "--tp", "2", "--checkpoint-dir", d / "ckC",
