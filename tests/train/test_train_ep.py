@@ -1,5 +1,5 @@
-"""``torchrun -m bytescale.train --model mixtral-tiny --ep E``: the MoE's experts sharded over EP groups
-of HDP ranks, through the real entry point, and checkpoints that reshard across EP degrees.
+"""``bytescale.train --model mixtral-tiny --ep E``: the MoE's experts sharded over EP groups
+of HDP ranks, through the real entry point (its ``main`` in real processes with torchrun's environment: train_launch.py), and checkpoints that reshard across EP degrees.
 
 R: 4 ranks, experts replicated (EP 1), 4 steps (the reference run).
 A: 4 ranks, EP 4 (one expert per rank), 4 steps, a checkpoint every 2 steps.

@@ -1,4 +1,4 @@
-"""``torchrun -m bytescale.train --pp 2``: pipelines of HDP units through the real entry point, and
+"""``bytescale.train --pp 2``: pipelines of HDP units through the real entry point (its ``main`` in real processes with torchrun's environment: train_launch.py), and
 checkpoints that resume across HDP degrees at a fixed pipeline depth.
 
 R: 2 ranks, HDP 2 without pipelines (the reference of the same global batches).

@@ -1,4 +1,4 @@
-"""``torchrun -m bytescale.train --tp 2``: HDP over units of two TP ranks, through the real entry point,
+"""``bytescale.train --tp 2``: HDP over units of two TP ranks, through the real entry point (its ``main`` in real processes with torchrun's environment: train_launch.py),
 and checkpoints that reshard across TP degrees.
 
 A: 4 ranks as HDP 2 x TP 2, 6 steps, a checkpoint every 2 steps (the uninterrupted run).

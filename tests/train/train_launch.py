@@ -4,7 +4,8 @@ captured.
 
 The resume tests' uninterrupted run goes through ``torchrun -m bytescale.train`` (``torchrun=True``),
 the entry point as users start it (tests/comm/test_init_modes.py and the SFT example's test run
-torchrun too). The other runs call ``main`` in ranks forked from the test harness' forkserver (torch already imported: tests/dist_utils.py), with the environment torchrun would set
+torchrun too). The other runs call ``main`` in ranks forked from the test harness' forkserver
+(torch already imported: tests/dist_utils.py), with the environment torchrun would set
 (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT): the same code path from
 ``init_process_group`` on, without paying an interpreter and a torch import per rank and run.
 """
