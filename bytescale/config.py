@@ -177,12 +177,18 @@ class ParallelConfig:
                      min=1)
 
     def __post_init__(self) -> None:
-        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
-            raise ValueError(f"ParallelConfig.tp must be an integer >= 1, got {self.tp!r}")
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("ParallelConfig.sequence_parallel needs tp > 1")
-        if isinstance(self.pp, bool) or not isinstance(self.pp, int) or self.pp < 1:
-            raise ValueError(f"ParallelConfig.pp must be an integer >= 1, got {self.pp!r}")
+        from .parallel_dims import check_composition  # the one compatibility matrix
+
+        try:
+            check_composition(self.pp, self.tp, self.ep, self.fsdp, self.sequence_parallel)
+        except ValueError as e:
+            raise ValueError(f"ParallelConfig: {e}") from None
+
+    def dims(self, world: int) -> "ParallelDims":  # noqa: F821 (bytescale.parallel_dims)
+        """These sizes over ``world`` ranks (:class:`bytescale.parallel_dims.ParallelDims`)."""
+        from .parallel_dims import ParallelDims
+
+        return ParallelDims(world, pp=self.pp, tp=self.tp, ep=self.ep, fsdp=self.fsdp, sp=self.sequence_parallel)
 
 
 ENV_KNOBS = {

@@ -39,6 +39,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..parallel_dims import ParallelDims
 from ..planner.units import UnitMap
 
 __all__ = ["MESH_DIMS", "Mesh", "init_mesh", "mesh_from_device_mesh", "current_mesh", "set_current_mesh"]
@@ -68,6 +69,8 @@ class Mesh:
     pipeline_groups: Dict[Tuple[str, int], dist.ProcessGroup] = field(default_factory=dict)
     """This rank's pipeline channels (pp > 1): ``("fwd", b)`` carries activations from stage b to
     b + 1, ``("bwd", b)`` their gradients back; two-rank static groups (:meth:`p2p_group`)."""
+    dims: Optional[ParallelDims] = None
+    """The sizes this mesh was laid out from (:func:`init_mesh`; None for a user's DeviceMesh)."""
 
     @property
     def pp(self) -> int:
@@ -257,24 +260,22 @@ def init_mesh(tp: int = 1, pp: int = 1, device_type: Optional[str] = None, ep: i
         raise RuntimeError("bytescale.init_mesh: call dist.init_process_group('bytescale') first")
     tp, pp, ep = _check_size("tp", tp), _check_size("pp", pp), _check_size("ep", ep)
     world = dist.get_world_size()
-    if world % (pp * tp):
-        raise ValueError(f"bytescale.init_mesh: the world of {world} ranks is not divisible by pp={pp} x "
-                         f"tp={tp} = {pp * tp}; run on a multiple of {pp * tp} ranks or change tp/pp")
-    hdp = world // (pp * tp)
-    if hdp % ep:
-        raise ValueError(f"bytescale.init_mesh: ep={ep} does not divide the {hdp} HDP units (world {world} / "
-                         f"(pp={pp} x tp={tp})); expert-parallel groups are blocks of ep units")
+    try:  # the sizes and what composes: stated once (bytescale/parallel_dims.py)
+        dims = ParallelDims(world, pp=pp, tp=tp, ep=ep)
+    except ValueError as e:
+        raise ValueError(f"bytescale.init_mesh: {e}") from None
+    hdp = dims.hdp
     sizes = {"pp": pp, "hdp": hdp, "tp": tp}
     names = tuple(d for d in MESH_DIMS if sizes[d] > 1 or d == "hdp")
     hosts: List[str] = [""] * world
     dist.all_gather_object(hosts, socket.gethostname())
     device_mesh = init_device_mesh(device_type or _default_device_type(), tuple(sizes[d] for d in names),
                                    mesh_dim_names=names)
-    grid = tuple(tuple(tuple((p * hdp + h) * tp + t for t in range(tp)) for h in range(hdp)) for p in range(pp))
+    grid = dims.grid
     _warn_if_tp_spans_nodes(grid, hosts)
     groups = _expert_groups(grid, ep, dist.get_rank()) if ep > 1 else {}
     channels = _pipeline_groups(grid, dist.get_rank()) if pp > 1 else {}
-    mesh = Mesh(device_mesh, grid, dist.get_rank(), ep, groups, channels)
+    mesh = Mesh(device_mesh, grid, dist.get_rank(), ep, groups, channels, dims)
     set_current_mesh(mesh)
     return mesh
 

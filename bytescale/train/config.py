@@ -240,19 +240,14 @@ class TrainConfig:
         if self.hdp.static_cp and self.hdp.strategy != "static":
             raise ConfigError(f"hdp.static_cp={self.hdp.static_cp} applies to hdp.strategy=static only "
                               f"(strategy is {self.hdp.strategy!r})")
-        if self.hdp.sequence_parallel and self.hdp.tp == 1:
-            raise ConfigError("hdp.sequence_parallel needs hdp.tp > 1 (--tp)")
-        if self.hdp.ep > 1 and self.hdp.fsdp:
-            raise ConfigError("hdp.ep > 1 (--ep) with hdp.fsdp (--fsdp) is not supported: the experts are sharded "
-                              "over the EP group already; drop --fsdp")
-        if self.hdp.pp > 1:
-            what = {"fsdp": self.hdp.fsdp, "ep": self.hdp.ep > 1, "sequence_parallel": self.hdp.sequence_parallel,
-                    "strategy=static": self.hdp.strategy == "static"}
-            bad = [k for k, v in what.items() if v]
-            if bad:
-                raise ConfigError(f"hdp.pp={self.hdp.pp} (--pp) with {', '.join('hdp.' + b for b in bad)} is not "
-                                  "supported: pipelines run replicated stages of the package's Llama (with --tp) "
-                                  "under an HDP strategy (pp-balance, pp-lockstep, balanced, naive, pow2)")
+        try:  # sizes and combinations: bytescale/parallel_dims.py, the one compatibility matrix
+            parallel_config(self)
+        except ValueError as e:
+            raise ConfigError(f"hdp: {str(e).replace('ParallelConfig: ', '')} (options --pp, --tp, --ep, --fsdp, "
+                              "--sequence-parallel)") from None
+        if self.hdp.pp > 1 and self.hdp.strategy == "static":
+            raise ConfigError(f"hdp.pp={self.hdp.pp} (--pp) with hdp.strategy=static is not supported: pipelines "
+                              "plan under an HDP strategy (pp-balance, pp-lockstep, balanced, naive, pow2)")
         if self.hdp.offload and self.hdp.strategy == "static":
             raise ConfigError("hdp.offload (--offload) does not apply to hdp.strategy=static (the DP x CP "
                               "baseline does not offload)")

@@ -194,17 +194,22 @@ def test_a_plan_for_another_depth_raises_on_every_stage():
 
 def _ep_pipeline_worker(rank, world):
     import bytescale
-    from bytescale import HybridDataParallel, PipelineExecutor
 
-    mesh = bytescale.init_mesh(pp=2, ep=2)
-    net = _model(CFG).pipeline_stage(mesh.stage, mesh.pp)
-    model = HybridDataParallel(net, process_group=mesh.group("hdp"))
-    return capture_error(lambda: PipelineExecutor(model, mesh=mesh))
+    refused = capture_error(lambda: bytescale.init_mesh(pp=2, ep=2))
+    mesh = bytescale.init_mesh(pp=2)  # the world is still usable: every rank refused alike
+    return refused, mesh.pp
 
 
 def test_an_expert_parallel_mesh_is_refused_like_the_trainer_does():
-    for kind, msg, _ in run_distributed(_ep_pipeline_worker, 4, timeout=180):
-        assert kind == "ValueError" and "expert parallelism (mesh ep=2)" in msg, msg
+    """The mesh refuses pp with ep by the same rule, in the same words, as the trainer's options
+    (bytescale/parallel_dims.py), on every rank and before any group is made."""
+    from bytescale.config import ParallelConfig
+
+    with pytest.raises(ValueError, match="pp=2 with ep=2 is not supported"):
+        ParallelConfig(pp=2, ep=2)
+    for (kind, msg, _), pp in run_distributed(_ep_pipeline_worker, 4, timeout=180):
+        assert kind == "ValueError" and "bytescale.init_mesh: pp=2 with ep=2 is not supported" in msg, msg
+        assert pp == 2
 
 
 def test_a_layer_count_the_stages_do_not_divide_raises():
