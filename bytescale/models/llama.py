@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from ..attention.api import attention
 from ..attention.layout import Layout
 from .moe import MoE
+from .tp_ops import shared_kv
 
 
 @dataclass
@@ -117,8 +118,6 @@ class Attention(nn.Module):
             k = self.wk(x).view(T, self.n_kv_heads, hd)
             v = self.wv(x).view(T, self.n_kv_heads, hd)
         else:
-            from .parallel import shared_kv
-
             k, v = shared_kv(self, x)
         q = rope(q, position_ids, self.cfg.rope_theta)
         k = rope(k, position_ids, self.cfg.rope_theta)

@@ -25,40 +25,21 @@ applied by transformers).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
                                                PrepareModuleInputOutput, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
+from .llama import Llama
+from .moe import MoE
+from .tp_ops import local_tensor, shared_kv  # noqa: F401  (re-exported: the model's TP pieces)
+
 __all__ = ["ReplicateParallel", "check_tensor_parallel", "tensor_parallel", "hf_tensor_parallel",
            "shared_kv", "local_tensor"]
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (the tensor itself otherwise)."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-class _AllReduceGrad(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the TP group (a replicated input whose
-    use on each rank covers only that rank's heads)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 def _replicate_params(name: str, module: nn.Module, mesh) -> None:
@@ -120,22 +101,6 @@ def check_tensor_parallel(n_heads: int, n_kv_heads: int, tp: int, what: str = "t
                          "divide the other (KV heads are sharded, or replicated when TP exceeds them)")
 
 
-def shared_kv(attn: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the one KV head this TP rank's query heads use, from the replicated K/V weights
-    (``attn.kv_share = (head, tp_group)``): (T, 1, head_dim) each."""
-    head, group = attn.kv_share
-    hd = attn.cfg.head_dim
-    T = x.shape[0]
-    # this rank's use of the replicated input covers only its heads: sum the gradient over TP
-    xl = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else _AllReduceGrad.apply(x, group)
-    rows = slice(head * hd, (head + 1) * hd)
-    out = []
-    for lin in (attn.wk, attn.wv):
-        w = _AllReduceGrad.apply(local_tensor(lin.weight), group)[rows]
-        out.append(F.linear(xl, w).view(T, 1, hd))
-    return out[0], out[1]
-
-
 def tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = False,
                     loss_parallel: bool = True) -> nn.Module:
     """Apply the TP plan (module docstring) to the package's Llama in place; returns it.
@@ -144,15 +109,12 @@ def tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = False,
     loss (and run backward) inside ``torch.distributed.tensor.parallel.loss_parallel()``
     (the step executor does). Raises ValueError when the TP degree does not fit the heads.
     """
-    from .llama import Llama
-    from .moe import MoE
-
     if not isinstance(model, Llama):
         raise TypeError(f"tensor_parallel: expected bytescale.models.Llama, got {type(model).__name__} "
                         "(HF models: hf_tensor_parallel)")
     cfg = model.cfg
     tp = tp_mesh.size()
-    check_tensor_parallel(cfg.n_heads, cfg.n_kv_heads, tp, f"this Llama")
+    check_tensor_parallel(cfg.n_heads, cfg.n_kv_heads, tp, "this Llama")
     if tp == 1:
         return model
     sp = bool(sequence_parallel)
