@@ -127,7 +127,7 @@ void finishPipeline(Plan& p, const Context& ctx, const BoundParts& flat_bound,
 void checkPipelineStructure(const Plan& p);
 void verifyPipeline(const Plan& p, const PlanOptions& opt);
 
-// Strategies (pp_balance.cpp): PP-Balance and Megatron's lockstep slots.
+// Strategies (pp_balance.cpp, pp_layout.cpp; pp_balance.h): PP-Balance and Megatron's lockstep slots.
 Plan planPPBalance(const Context& ctx, const BoundParts& flat_bound);
 
 // The work of the calling thread's last planPPBalance (tests bound it; deterministic counts, not

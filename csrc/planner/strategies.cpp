@@ -12,6 +12,7 @@
 #include "planner/feasibility.h"
 #include "planner/pipeline.h"
 #include "planner/offload_rule.h"
+#include "planner/packing.h"
 #include "planner/replay.h"
 
 namespace bytescale {
@@ -119,23 +120,7 @@ Builder tokenBalanced(const Context& ctx, Strategy strategy, const std::vector<i
   // Best-fit decreasing into capacity-sized bins, bins to the rank with the fewest tokens.
   std::vector<std::vector<int64_t>> bins;
   std::vector<int64_t> fill;
-  std::multimap<int64_t, size_t> free_space;
-  for (int64_t i : shorts) {
-    const int64_t s = lengths[i];
-    auto it = free_space.lower_bound(s);
-    size_t idx;
-    if (it == free_space.end()) {
-      idx = bins.size();
-      bins.emplace_back();
-      fill.push_back(0);
-    } else {
-      idx = it->second;
-      free_space.erase(it);
-    }
-    bins[idx].push_back(i);
-    fill[idx] += s;
-    if (ctx.cap_min - fill[idx] > 0) free_space.emplace(ctx.cap_min - fill[idx], idx);
-  }
+  packBestFit(lengths, shorts.data(), shorts.size(), ctx.cap_min, 0, bins, fill);
   for (size_t k = 0; k < bins.size(); ++k) {
     auto top = heap.top();
     heap.pop();
@@ -252,32 +237,10 @@ void Builder::packLocal(int r, const int64_t* seqs, size_t n) {
   if (n == 0) return;
   const auto& len = ctx.len;
   const int64_t cap = ctx.cap[r];
-  // Best fit decreasing: bins hold indices into seqs; room = capacity left.
+  // Best fit decreasing (packing.h): a scan up to 32 sequences, an ordered map beyond.
   std::vector<std::vector<int64_t>> bins;
-  std::vector<int64_t> room;
-  std::multimap<int64_t, size_t> free_space;  // used once there are many bins
-  const bool many = n > 32;
-  for (size_t k = 0; k < n; ++k) {
-    const int64_t s = len[seqs[k]];
-    size_t idx = bins.size();
-    if (many) {
-      auto it = free_space.lower_bound(s);
-      if (it != free_space.end()) {
-        idx = it->second;
-        free_space.erase(it);
-      }
-    } else {
-      for (size_t j = 0; j < bins.size(); ++j)
-        if (room[j] >= s && (idx == bins.size() || room[j] < room[idx])) idx = j;
-    }
-    if (idx == bins.size()) {
-      bins.emplace_back();
-      room.push_back(cap);
-    }
-    bins[idx].push_back(seqs[k]);
-    room[idx] -= s;
-    if (many && room[idx] > 0) free_space.emplace(room[idx], idx);
-  }
+  std::vector<int64_t> fill;
+  packBestFit(len, seqs, n, cap, 32, bins, fill);
   for (auto& bin : bins) addLocal(r, bin.data(), bin.size());
 }
 
