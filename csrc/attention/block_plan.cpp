@@ -4,7 +4,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "attention/zigzag.h"
+#include "common/zigzag.h"
 
 namespace bytescale {
 namespace attention {

@@ -3,7 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "attention/kernel.h"
-#include "attention/zigzag.h"
+#include "common/zigzag.h"
 
 namespace bytescale {
 namespace attention {

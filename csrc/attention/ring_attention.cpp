@@ -29,7 +29,7 @@
 #include "attention/block_attention.h"
 #include "attention/block_step.h"
 #include "attention/ring_agreement.h"
-#include "attention/zigzag.h"
+#include "common/zigzag.h"
 #include "comm/agreement.h"
 #include "comm/schedule.h"
 #include "comm/traffic.h"

@@ -6,7 +6,7 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "attention/zigzag.h"
+#include "common/zigzag.h"
 #include "planner/pipeline.h"
 #include "planner/replay.h"
 

@@ -2,7 +2,7 @@
 //
 // Output, per rank, an ordered list of micro-batches. A micro-batch is either
 //   * a ring micro-batch: ONE sequence sharded over a dynamic group of D ranks (any integer D),
-//     this rank holding zig-zag chunks (pos, 2D-1-pos) (csrc/attention/zigzag.h), with the
+//     this rank holding zig-zag chunks (pos, 2D-1-pos) (csrc/common/zigzag.h), with the
 //     offload ratio its activations need (the static baseline packs SEVERAL sequences into one
 //     ring micro-batch, each sharded the same way over the same group); or
 //   * a local micro-batch: whole sequences packed up to the rank's token capacity.

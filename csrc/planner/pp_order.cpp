@@ -8,7 +8,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "attention/zigzag.h"
+#include "common/zigzag.h"
 #include "planner/pp_balance.h"
 
 namespace bytescale {

@@ -7,7 +7,7 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "attention/zigzag.h"
+#include "common/zigzag.h"
 #include "planner/builder.h"
 #include "planner/feasibility.h"
 #include "planner/pipeline.h"

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "attention/block_plan.h"
-#include "attention/zigzag.h"
+#include "common/zigzag.h"
 
 using namespace bytescale;
 using namespace bytescale::attention;

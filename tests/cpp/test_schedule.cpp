@@ -6,7 +6,7 @@
 #include <set>
 #include <vector>
 
-#include "attention/zigzag.h"
+#include "common/zigzag.h"
 #include "comm/schedule.h"
 
 using namespace bytescale;

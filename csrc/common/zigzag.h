@@ -5,9 +5,10 @@
 // and the rank at ring position i holds chunks i and 2N-1-i, in that order (its local tokens are
 // chunk i followed by chunk 2N-1-i). Any length works: chunks differ by at most one token and may
 // be empty when s < 2N. Under a causal mask every rank then does the same attention work up to
-// rounding. This is the one C++ definition of the layout: the planner, the segment plans of ring
+// rounding. This is the one C++ definition of the layout (in common/: attention and the planner both use
+// it, neither owns it): the planner, the segment plans of ring
 // steps (block_plan.cpp) and the token metadata of the tiled kernel (block_step.cpp) use it. The
-// Python side mirrors it in one module (bytescale/_zigzag.py at the time of writing).
+// Python side mirrors it in one module (bytescale/attention/zigzag.py).
 #pragma once
 
 #include <array>
