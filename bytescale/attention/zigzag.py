@@ -1,4 +1,4 @@
-"""The zig-zag layout, the one Python definition (mirror of csrc/attention/zigzag.h).
+"""The zig-zag layout, the one Python definition (mirror of csrc/common/zigzag.h).
 
 A length-s sequence over an N-rank ring is cut into 2N chunks with bounds b_j = floor(j*s/(2N));
 ring position i holds chunks i and 2N-1-i (in that order), so every position gets the same share

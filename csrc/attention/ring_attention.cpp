@@ -2,7 +2,7 @@
 //
 //   bytescale::varlen_attn_fwd / _bwd : packed documents that are wholly local (no communication).
 //   bytescale::ring_attn_fwd  / _bwd  : packed documents sharded zig-zag over a ring of global
-//                                        ranks (csrc/attention/zigzag.h), any lengths.
+//                                        ranks (csrc/common/zigzag.h), any lengths.
 //
 // Before any K/V moves, the members check that they agree on the call (ring_agreement.h; on by
 // default, BYTESCALE_CHECK_RING=0 turns it off).

@@ -63,7 +63,7 @@ def test_bind_and_validation():
 
 
 def test_python_zigzag_matches_the_cpp_planner():
-    """bytescale.attention.zigzag (Python) and csrc/attention/zigzag.h (the planner's seg_tokens)."""
+    """bytescale.attention.zigzag (Python) and csrc/common/zigzag.h (the planner's seg_tokens)."""
     for world in (2, 3, 5, 7):
         lengths = list(range(5, 4 * world + 1, 2))  # all longer than the capacity: all sharded
         p = plan(lengths, world_size=world, capacity=4, strategy="naive")
