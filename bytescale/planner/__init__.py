@@ -43,6 +43,7 @@ from typing import Any, Dict, Optional, Sequence, Union
 import numpy as np
 
 from .. import _C
+from ..parallel_dims import ParallelDims
 from .cost import CostModel, load_cost_model
 from .inputs import (OFFLOAD_RULES, _PIPELINE_KEYS, _check_each, _lengths_array, _options,  # noqa: F401
                      _positive_int, stage_layers, static_cp_degree)
@@ -59,7 +60,7 @@ __all__ = ["CostModel", "Plan", "DocRef", "MicroBatchPlan", "PipelineReplay", "R
 
 def plan(
     lengths: Union[Sequence[int], np.ndarray],
-    world_size: Union[int, UnitMap],
+    world_size: Union[int, UnitMap, ParallelDims],
     capacity: int,
     strategy: str = "balanced",
     offload: bool = False,
@@ -80,8 +81,11 @@ def plan(
     Args:
         lengths: sequence lengths (integers >= 1; integral floats accepted), in batch order;
             plans refer to positions.
-        world_size: HDP ranks (an integer >= 1), or a :class:`UnitMap` (HDP units of TP ranks: the
-            plan is over its units and carries it).
+        world_size: HDP ranks (an integer >= 1), a :class:`UnitMap` (HDP units of TP ranks: the
+            plan is over its units and carries it), or the job's
+            :class:`~bytescale.parallel_dims.ParallelDims` (the units of one stage and ``pp`` from
+            it; the plan carries it as :attr:`Plan.dims`, which the executors compare with their
+            mesh's once).
         capacity: tokens per micro-batch per rank, or per unit (before ``memory`` multipliers;
             integer >= 1).
         strategy: "balanced" | "naive" | "pow2" | "static" | "pp-balance" | "pp-lockstep".
@@ -114,11 +118,16 @@ def plan(
             than exist, a static CP degree that does not divide the world, pp < 1, an unknown
             pipeline option, speed/memory multipliers with a pp-* strategy, ...).
     """
+    dims = world_size if isinstance(world_size, ParallelDims) else None
+    if dims is not None:  # the units of one stage and the depth, from the job's one statement of them
+        if pp not in (1, dims.pp):
+            raise ValueError(f"plan: pp={pp} contradicts the ParallelDims' pp={dims.pp}; give one")
+        world_size, pp = (dims.units(0) if dims.tp > 1 else dims.hdp), dims.pp
     units = world_size if isinstance(world_size, UnitMap) else None
     arr = _lengths_array(lengths)
     opts = _options(units.num_units if units else world_size, capacity, strategy, offload, cost, speed, memory,
                     static_cp, pp, pipeline, offload_rule)
-    p = Plan(_C.planner.make_plan(arr, opts), arr, units, opts)
+    p = Plan(_C.planner.make_plan(arr, opts), arr, units, opts, dims=dims)
     if verify:
         p.raw.verify(arr.tolist(), opts)
     return p

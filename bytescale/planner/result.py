@@ -25,9 +25,12 @@ class Plan:
     """
 
     def __init__(self, cplan: "_C.planner.Plan", lengths: Optional[np.ndarray] = None,
-                 units: Optional[UnitMap] = None, options: Optional["_C.planner.PlanOptions"] = None) -> None:
+                 units: Optional[UnitMap] = None, options: Optional["_C.planner.PlanOptions"] = None,
+                 dims: Optional["ParallelDims"] = None) -> None:  # noqa: F821
         self._p = cplan
         self._options = options
+        self.dims = dims
+        """The job's :class:`~bytescale.parallel_dims.ParallelDims` when planned from them (else None)."""
         if lengths is None:  # every token is held exactly once: lengths are the segments' sums
             lengths = np.bincount(np.asarray(cplan.seg_seq), weights=np.asarray(cplan.seg_tokens),
                                   minlength=int(cplan.num_sequences)).astype(np.int64)

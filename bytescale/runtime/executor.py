@@ -46,6 +46,20 @@ def _device_of(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def check_plan_dims(step: Step, mesh, who: str) -> None:
+    """A plan made from the job's ParallelDims (``bytescale.plan(lengths, dims, ...)``) must be run on
+    a mesh laid out from the same sizes: pp, hdp, tp and ep compared (once per plan object)."""
+    plan = getattr(step, "plan", None)
+    dims, mine = getattr(plan, "dims", None), getattr(mesh, "dims", None)
+    if dims is None or mine is None or getattr(plan, "_dims_checked", None) is mine:
+        return
+    key = lambda d: (d.world, d.pp, d.hdp, d.tp, d.ep)  # noqa: E731
+    if key(dims) != key(mine):
+        raise ValueError(f"{who}: step {step.index} was planned for {dims.describe()} ({dims.world} ranks), but "
+                         f"this rank's mesh is {mine.describe()} ({mine.world} ranks); plan with the mesh's dims")
+    plan._dims_checked = mine
+
+
 def _is_llama(module: torch.nn.Module) -> bool:
     from ..models.llama import Llama
 
@@ -238,6 +252,7 @@ class StepExecutor:
         return loss_parallel()
 
     def _check_plan(self, step: Step) -> None:
+        check_plan_dims(step, self.mesh, "StepExecutor")
         plan_units = getattr(step.plan, "units", None)
         ep = int(getattr(getattr(self.model, "module", None), "ep_size", 1) or 1)
         if ep > 1 and step.plan is not None and self.mesh is not None:

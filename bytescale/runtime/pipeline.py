@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.layout import Layout
-from .executor import StepOutput
+from .executor import StepOutput, check_plan_dims
 from .loss import token_level_loss
 from .parallel import HybridDataParallel
 from .types import MicroBatch, Step
@@ -246,6 +246,7 @@ class PipelineExecutor:
             plan.check_pp(self.stages)
         except ValueError as e:
             raise ValueError(f"PipelineExecutor: step {step.index}: {e}") from None
+        check_plan_dims(step, self.mesh, "PipelineExecutor")
         units = getattr(plan, "units", None)
         if units is not None and units != self.mesh.units:
             raise ValueError(f"PipelineExecutor: step {step.index} was planned for {units.describe()}, but stage "

@@ -70,3 +70,19 @@ def test_coordinates_outside_the_world_are_clear_errors():
         d.coords(4)
     with pytest.raises(ValueError, match="stage 2 is outside the 2 pipeline stages"):
         d.units(2)
+
+
+def test_a_plan_from_dims_is_the_plan_of_its_units_and_carries_them():
+    """``plan(lengths, dims)`` plans one stage's units at the dims' depth: the same plan as from the
+    unit map and pp stated by hand, and it carries the dims."""
+    from bytescale.planner import plan
+
+    lengths = [900, 17, 333, 2048, 5, 640, 77, 1200]
+    for world, pp, tp, strategy in [(5, 1, 1, "balanced"), (12, 2, 3, "pp-balance"), (8, 1, 2, "naive")]:
+        d = ParallelDims(world, pp=pp, tp=tp)
+        got = plan(lengths, d, capacity=1100, strategy=strategy)
+        ref = plan(lengths, d.units(0) if tp > 1 else d.hdp, capacity=1100, strategy=strategy, pp=pp)
+        assert bytes(got.to_bytes()) == bytes(ref.to_bytes()) and got.units == ref.units
+        assert got.dims is d and ref.dims is None
+    with pytest.raises(ValueError, match="pp=3 contradicts the ParallelDims' pp=2"):
+        plan(lengths, ParallelDims(4, pp=2), capacity=512, pp=3)

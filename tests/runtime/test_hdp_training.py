@@ -205,3 +205,27 @@ def test_hdp_with_activation_offloading_is_bit_identical():
     offl = run_distributed(_hdp, 2, "float64", 0.5, timeout=300)
     for (pa, _), (pb, _) in zip(plain, offl):
         assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+
+
+def _planned_for_other_dims(rank, world):
+    import bytescale
+    from bytescale import HybridDataParallel, StepExecutor
+    from bytescale.parallel_dims import ParallelDims
+    from dist_utils import capture_error
+
+    mesh = bytescale.init_mesh()
+    assert mesh.dims == ParallelDims(world)
+    loader = HDPLoader(_dataset(), PlannerConfig(CAPACITY), LoaderConfig(TOKENS_PER_BATCH, seed=5, prefetch=False,
+                                                                         max_steps=1), units=mesh)
+    step = next(iter(loader))
+    loader.close()
+    step.plan.dims = ParallelDims(2 * world, tp=2)  # as if planned with another job's dims
+    model = HybridDataParallel(_model(torch.float64), process_group=mesh.group("hdp"))
+    return capture_error(lambda: StepExecutor(model, mesh=mesh).run(step))
+
+
+def test_a_plan_for_other_parallel_dims_is_refused_naming_both():
+    """The executor compares a plan's ParallelDims with its mesh's (bytescale/parallel_dims.py)."""
+    for kind, msg, _ in run_distributed(_planned_for_other_dims, 2, timeout=120):
+        assert kind == "ValueError", msg
+        assert "planned for pp 1 x hdp 2 x tp 2, ep 1 (4 ranks)" in msg and "pp 1 x hdp 2 x tp 1, ep 1 (2 ranks)" in msg, msg
