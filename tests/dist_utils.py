@@ -56,8 +56,12 @@ DEFAULT_TIMEOUT_S = 180.0
 
 # Imported once by the forkserver, inherited by every rank it forks. Not bytescale: its knobs are
 # read from the environment a rank is given.
+# transformers and the HF model classes the tests use: about 2.5 s of CPU per rank that runs an HF model.
+# (Imported with OMP_NUM_THREADS=1, none of these starts a thread: the server stays single-threaded.)
 PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "torch.distributed.checkpoint",
-           "torch.distributed.fsdp", "torch.distributed.tensor", "numpy"]
+           "torch.distributed.fsdp", "torch.distributed.tensor", "numpy", "transformers",
+           "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
+           "transformers.models.mixtral.modeling_mixtral"]
 
 _VOLATILE_ENV_PREFIXES = ("PYTEST_",)  # changes per test, read by nothing under test
 
@@ -277,7 +281,14 @@ def start_context():
             # (torch's harness) get it, not that of whichever test happened to start the server.
             from multiprocessing import forkserver
 
-            forkserver.ensure_running()
+            unset = "OMP_NUM_THREADS" not in os.environ
+            if unset:  # no OpenMP pool in the server: a fork copies only the forking thread
+                os.environ["OMP_NUM_THREADS"] = "1"
+            try:
+                forkserver.ensure_running()
+            finally:
+                if unset:
+                    del os.environ["OMP_NUM_THREADS"]
     return _ctx
 
 
