@@ -56,7 +56,6 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ProcessGroup
 
 from .. import _C
 from .. import _torch_private as _tp
