@@ -8,7 +8,10 @@ them rather than loose keyword arguments.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Tuple
+
+if TYPE_CHECKING:
+    from .parallel_dims import ParallelDims
 
 __all__ = ["PlannerConfig", "LoaderConfig", "RuntimeConfig", "ParallelConfig", "ENV_KNOBS", "option"]
 
@@ -184,7 +187,7 @@ class ParallelConfig:
         except ValueError as e:
             raise ValueError(f"ParallelConfig: {e}") from None
 
-    def dims(self, world: int) -> "ParallelDims":  # noqa: F821 (bytescale.parallel_dims)
+    def dims(self, world: int) -> "ParallelDims":
         """These sizes over ``world`` ranks (:class:`bytescale.parallel_dims.ParallelDims`)."""
         from .parallel_dims import ParallelDims
 

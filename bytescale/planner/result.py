@@ -3,7 +3,7 @@ replays, lockstep slots)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -13,6 +13,9 @@ from .lockstep import group_slots as _block_slots
 from .replay import PipelineReplay, Replay
 from .types import DocRef, MicroBatchPlan
 from .units import UnitMap
+
+if TYPE_CHECKING:
+    from ..parallel_dims import ParallelDims
 
 __all__ = ["Plan"]
 
@@ -26,7 +29,7 @@ class Plan:
 
     def __init__(self, cplan: "_C.planner.Plan", lengths: Optional[np.ndarray] = None,
                  units: Optional[UnitMap] = None, options: Optional["_C.planner.PlanOptions"] = None,
-                 dims: Optional["ParallelDims"] = None) -> None:  # noqa: F821
+                 dims: Optional["ParallelDims"] = None) -> None:
         self._p = cplan
         self._options = options
         self.dims = dims

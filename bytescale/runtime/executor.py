@@ -48,16 +48,13 @@ def _device_of(module: torch.nn.Module) -> torch.device:
 
 def check_plan_dims(step: Step, mesh, who: str) -> None:
     """A plan made from the job's ParallelDims (``bytescale.plan(lengths, dims, ...)``) must be run on
-    a mesh laid out from the same sizes: pp, hdp, tp and ep compared (once per plan object)."""
-    plan = getattr(step, "plan", None)
-    dims, mine = getattr(plan, "dims", None), getattr(mesh, "dims", None)
-    if dims is None or mine is None or getattr(plan, "_dims_checked", None) is mine:
+    a mesh laid out from the same sizes: world, pp, hdp, tp and ep compared."""
+    dims, mine = getattr(getattr(step, "plan", None), "dims", None), getattr(mesh, "dims", None)
+    if dims is None or mine is None:
         return
-    key = lambda d: (d.world, d.pp, d.hdp, d.tp, d.ep)  # noqa: E731
-    if key(dims) != key(mine):
+    if (dims.world, dims.pp, dims.hdp, dims.tp, dims.ep) != (mine.world, mine.pp, mine.hdp, mine.tp, mine.ep):
         raise ValueError(f"{who}: step {step.index} was planned for {dims.describe()} ({dims.world} ranks), but "
                          f"this rank's mesh is {mine.describe()} ({mine.world} ranks); plan with the mesh's dims")
-    plan._dims_checked = mine
 
 
 def _is_llama(module: torch.nn.Module) -> bool:

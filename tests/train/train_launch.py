@@ -47,6 +47,7 @@ def _free_port() -> int:
 def _main_in_rank(rank: int, world: int, nproc: int, argv: List[str], port: int, out_dir: str, cwd: str) -> int:
     """One rank of a world run: torchrun's environment, stdout/stderr to files, ``main``'s status."""
     os.chdir(cwd)
+    os.environ.update(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), BYTESCALE_TRAIN_TIMEOUT_S="120")
     if nproc:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                           LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -77,22 +78,12 @@ def _world_launch(nproc: int, args: Sequence[str], timeout: float, cwd: str) -> 
     from dist_utils import run_distributed
 
     argv = [str(a) for a in args]
-    old = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "BYTESCALE_TRAIN_TIMEOUT_S")}
-    env = _env()
-    os.environ.update(OMP_NUM_THREADS=env["OMP_NUM_THREADS"], BYTESCALE_TRAIN_TIMEOUT_S=env["BYTESCALE_TRAIN_TIMEOUT_S"])
-    try:
-        with tempfile.TemporaryDirectory(prefix="bytescale-train-") as out_dir:
-            codes = run_distributed(_main_in_rank, max(nproc, 1), nproc, argv, _free_port(), out_dir, cwd,
-                                    init=False, fresh=True, timeout=timeout)
-            read = lambda name: "".join(Path(out_dir, f"{name}.{r}").read_text(errors="replace")  # noqa: E731
-                                        for r in range(max(nproc, 1)))
-            stdout, stderr = read("out"), read("err")
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with tempfile.TemporaryDirectory(prefix="bytescale-train-") as out_dir:
+        codes = run_distributed(_main_in_rank, max(nproc, 1), nproc, argv, _free_port(), out_dir, cwd,
+                                init=False, fresh=True, timeout=timeout)
+        read = lambda name: "".join(Path(out_dir, f"{name}.{r}").read_text(errors="replace")  # noqa: E731
+                                    for r in range(max(nproc, 1)))
+        stdout, stderr = read("out"), read("err")
     code = next((c for c in codes if c), 0)
     return subprocess.CompletedProcess(["bytescale.train (world of %d)" % max(nproc, 1), *argv], code, stdout, stderr)
 
