@@ -15,7 +15,7 @@ the whole model as one layer), halved for one of the two stages except g (each s
 
 Reported per plan: the median step time over the measured steps (the first two are warm-up),
 tokens/s, the MEASURED bubble (1 - the ranks' mean time inside their forward / backward operations
-over the step; receives and waits for transfers excluded, PipelineExecutor's ``compute_s``), the
+over the step; receives and waits for transfers excluded, StepExecutor's ``compute_s``), the
 PLANNED bubble (the plan's 1F1B replay, ``Plan.bubble``), the last step's loss (the same batches
 from the same weights: equal to float tolerance) and the load average during the runs.
 """

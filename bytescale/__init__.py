@@ -21,7 +21,7 @@ from .comm import BACKEND_NAME, DynamicGroup, clear_dynamic_groups, dynamic_grou
 from .comm.mesh import Mesh, current_mesh, init_mesh, mesh_from_device_mesh
 from .config import LoaderConfig, PlannerConfig, RuntimeConfig
 from .planner import CostModel, MicroBatchPlan, Plan, UnitMap, plan, profile
-from .runtime import HybridDataParallel, PipelineExecutor, StepExecutor, offload, token_level_loss
+from .runtime import HybridDataParallel, StepExecutor, offload, token_level_loss
 
 __version__ = "0.2.0"
 
@@ -33,5 +33,5 @@ __all__ = [
     "Layout", "ring_attention", "varlen_attention",
     "PlannerConfig", "LoaderConfig", "RuntimeConfig",
     "CostModel", "MicroBatchPlan", "Plan", "UnitMap", "plan", "profile",
-    "HybridDataParallel", "StepExecutor", "PipelineExecutor", "token_level_loss", "offload",
+    "HybridDataParallel", "StepExecutor", "token_level_loss", "offload",
 ]

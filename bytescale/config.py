@@ -96,10 +96,9 @@ class LoaderConfig:
     prefetch: prepare step k+1 in a background thread while step k trains.
     check_plan: all-reduce a fingerprint of each step's plan so ranks that planned differently fail
         with a clear error instead of deadlocking in a ring (needs a process group).
-    lockstep: every rank runs the same number of micro-batch slots (empty ones as padding) and ring
-        members meet in the same slot: for sharded parameters (FSDP2), whose forward all-gathers
-        need every rank. lockstep_group: with lockstep, slots are agreed within blocks of this many
-        consecutive HDP units (expert-parallel groups: ``Plan.group_lockstep``); 0: the whole world.
+    The loader delivers each rank the plan's own micro-batches; which run when (lockstep slots
+        under FSDP2 or expert parallelism, 1F1B with pipelines) is the step executor's schedule
+        (:mod:`bytescale.runtime.schedule`).
     max_steps: stop after this many steps (None: endless).
     oversize: what happens to a document longer than any plan of the mesh can hold
         (:func:`bytescale.planner.longest_document`: units x capacity, more with offloading):
@@ -114,9 +113,6 @@ class LoaderConfig:
     seed: int = option(0, "seed of the global batch order")
     prefetch: bool = option(True, "prepare the next step while this one trains")
     check_plan: bool = option(True, "compare a fingerprint of each step's plan across ranks")
-    lockstep: bool = option(False, "every rank runs the same number of micro-batch slots (FSDP2)")
-    lockstep_group: int = option(0, "lockstep within blocks of this many HDP units (expert parallelism); "
-                                    "0: all units", min=0)
     max_steps: Optional[int] = option(None, "stop after this many steps", min=0)
     oversize: str = option("split", "documents longer than any plan of the mesh can hold: split (consecutive "
                                     "pieces, no token dropped), skip (counted), or error (refuse at start)",
@@ -130,8 +126,6 @@ class LoaderConfig:
             raise ValueError(f"LoaderConfig.tokens_per_batch must be an integer >= 1, got {self.tokens_per_batch!r}")
         if self.max_steps is not None and self.max_steps < 0:
             raise ValueError(f"LoaderConfig.max_steps must be >= 0, got {self.max_steps}")
-        if isinstance(self.lockstep_group, bool) or not isinstance(self.lockstep_group, int) or self.lockstep_group < 0:
-            raise ValueError(f"LoaderConfig.lockstep_group must be an integer >= 0, got {self.lockstep_group!r}")
 
 
 @dataclass(frozen=True)
@@ -164,7 +158,7 @@ class ParallelConfig:
     tp: tensor-parallel ranks per HDP unit (TP innermost). sequence_parallel: norms on tokens / tp.
     fsdp: shard parameters, gradients and optimizer state with FSDP2 over the HDP dimension.
     ep: expert-parallel degree (:func:`bytescale.models.expert_parallel`).
-    pp: pipeline stages (outermost; :class:`bytescale.runtime.PipelineExecutor`).
+    pp: pipeline stages (outermost; :class:`bytescale.runtime.StepExecutor` runs them 1F1B).
     """
 
     tp: int = option(1, "tensor-parallel degree: ranks per HDP unit (the mesh is hdp x tp, TP innermost; the "

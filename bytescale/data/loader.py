@@ -156,7 +156,7 @@ class HDPLoader:
             :class:`~bytescale.data.dataset.TokenDataset` (wrapped in a
             :class:`~bytescale.data.source.DatasetSource` with the config's batch size and seed).
         planner: how steps are planned (:class:`~bytescale.config.PlannerConfig`).
-        config: batch size, seed, prefetch, plan check, lockstep (:class:`~bytescale.config.LoaderConfig`).
+        config: batch size, seed, prefetch, plan check (:class:`~bytescale.config.LoaderConfig`).
         rank, world_size: this rank and the HDP world (default: torch.distributed's).
         runtime: ``bf16_grad_comm`` of the layouts (:class:`~bytescale.config.RuntimeConfig`).
         units: the HDP units to plan (a :class:`~bytescale.planner.UnitMap`, or a
@@ -253,10 +253,7 @@ class HDPLoader:
     def _build(self, step_index: int, batch: GlobalBatch, offsets: Optional[Tuple[int, ...]] = None) -> Step:
         sample_ids, lengths = list(batch.sample_ids), [int(n) for n in batch.lengths]
         plan = self.planner.plan(lengths, self.units if not self.units.is_identity else self.units.num_units)
-        if self.config.lockstep:  # FSDP2: the plan's lockstep slots (C++, csrc/planner/replay.h)
-            mine = plan.lockstep_micro_batches(self.rank, sample_ids, self.config.lockstep_group)
-        else:
-            mine = plan.micro_batches(self.rank, sample_ids)
+        mine = plan.micro_batches(self.rank, sample_ids)  # the executor's schedule orders them
         bf16 = self.runtime.bf16_grad_comm
         micro = tuple(materialize(self.source, mb, bf16, offsets) for mb in mine)
         gl_tokens = int(sum(lengths))

@@ -98,9 +98,9 @@ class HDPTrainerMixin:
             raise TypeError(f"HDP trainer: planner must be a bytescale.PlannerConfig, got {type(planner).__name__}")
         if not isinstance(loader, LoaderConfig):
             raise TypeError(f"HDP trainer: loader must be a bytescale.LoaderConfig, got {type(loader).__name__}")
-        if loader.lockstep or planner.pp != 1:
-            raise ValueError("HDP trainer: lockstep slots (FSDP2 / EP) and pipelines are not supported by the Trainer "
-                             "integration; use python -m bytescale.train")
+        if planner.pp != 1:
+            raise ValueError("HDP trainer: pipelines are not supported by the Trainer integration; use "
+                             "python -m bytescale.train")
         self.hdp_planner = planner
         self.hdp_loader = loader
         self.hdp_runtime = runtime or RuntimeConfig()

@@ -15,9 +15,9 @@ router included) keep the HDP pool. With the token-level loss the result equals 
 training on the global batch.
 
 The all-to-alls need every rank of an EP group to run the same number of micro-batches in an
-order all agree on: the loader's lockstep slots per EP group (``LoaderConfig(lockstep=True,
-lockstep_group=E)``); a rank with fewer real micro-batches runs zero-token slots that still join
-the all-to-alls, forward, backward and recomputation.
+order all agree on: the step executor's lockstep schedule per EP group (:mod:`bytescale.runtime.schedule`,
+chosen from the model's ``ep_size``); a rank with fewer real micro-batches runs zero-token slots that
+still join the all-to-alls, forward, backward and recomputation.
 """
 from __future__ import annotations
 

@@ -195,9 +195,14 @@ class Llama(nn.Module):
     :func:`bytescale.token_level_loss` keeps HDP equal to single-process training.
     """
 
+    takes_layout = True
+    """Implements the stage model protocol (:mod:`bytescale.runtime.stage_io`): ``layout=`` and
+    ``hidden=`` in :meth:`forward`, ``stage`` / ``stages`` / ``hidden_size``."""
+
     def __init__(self, cfg: LlamaConfig, attn_fn: Optional[AttentionFn] = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.hidden_size = cfg.dim
         self.activation_checkpointing = False
         fn = attn_fn or default_attention
         block = MoEBlock if cfg.is_moe else Block

@@ -267,7 +267,8 @@ class Plan:
 
     def micro_batches(self, rank: int, sample_ids: Optional[Sequence[int]] = None) -> List[MicroBatchPlan]:
         """Global rank ``rank``'s micro-batches in execution order, read straight from the plan's
-        arrays: those of its HDP unit, each ring over the ranks of its TP index.
+        arrays: those of its HDP unit, each ring over the ranks of its TP index (a pipelined
+        plan's with their 1F1B ``slot``).
 
         ``sample_ids`` (the batch's dataset ids, by position) fills each document's ``sample_id``.
         """
@@ -284,6 +285,7 @@ class Plan:
         seg_seq, seg_size, seg_pos = p.seg_seq, p.seg_ring_size, p.seg_ring_pos
         grp, ring_grp, ring_ids, ratio, cost = p.grp_ranks, p.ring_grp, p.mb_ring, p.mb_offload, p.mb_cost
         last_ring = self._last_ring_of_each_rank()
+        slot = np.asarray(p.mb_slot) if self.pipelined else None
         out = []
         for i, m in enumerate(range(int(rank_mb[unit]), int(rank_mb[unit + 1]))):
             local, sharded, pos = [], [], 0
@@ -301,7 +303,8 @@ class Plan:
             out.append(MicroBatchPlan(rank=rank, index=i, local=tuple(local), sharded=tuple(sharded),
                                       ring=ring, ring_pos=pos, ring_id=int(ring_ids[m]),
                                       offload_ratio=float(ratio[m]), predicted_time=float(cost[m]),
-                                      ring_is_last_on_all=bool(ring) and all(last_ring[u] == rid for u in ring_units)))
+                                      ring_is_last_on_all=bool(ring) and all(last_ring[u] == rid for u in ring_units),
+                                      slot=-1 if slot is None else int(slot[m])))
         return out
 
     def _last_ring_of_each_rank(self) -> List[int]:

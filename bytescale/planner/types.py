@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, replace
+from functools import cached_property
 from typing import Sequence, Tuple
 
 from ..attention import zigzag
@@ -19,7 +20,8 @@ from ..attention.layout import Layout
 
 __all__ = ["DocRef", "MicroBatchPlan"]
 
-_FORMAT = "bytescale.MicroBatchPlan/1"
+_FORMAT = "bytescale.MicroBatchPlan/2"
+_FORMATS = (_FORMAT, "bytescale.MicroBatchPlan/1")  # /1: before ``slot`` (it reads as -1)
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,9 @@ class MicroBatchPlan:
     ranks), this rank at ``ring_pos``; ``ring_id`` is the ring's place in the step's one global ring
     order (-1 for a local micro-batch). ``offload_ratio``: share of the micro-batch's activations
     to move to host memory (paper Eq. 3). ``predicted_time``: the planner's cost-model time (s).
-    ``ring_is_last_on_all``: a ring micro-batch that EVERY member of its ring runs as its last
+    ``slot``: its slot in the step's schedule (a pipeline's 1F1B slot, set by the planner for a
+    pipelined plan; a lockstep slot, set by :func:`bytescale.runtime.schedule.build_schedule`), -1
+    for none. ``ring_is_last_on_all``: a ring micro-batch that EVERY member of its ring runs as its last
     micro-batch of the step. Gradient sync may then start during its backward (on one NCCL stream
     every member queues it at the same point between the ring's exchanges); when some member still
     has micro-batches after the ring, it must wait for the backward's end, or the gradient
@@ -61,6 +65,7 @@ class MicroBatchPlan:
     offload_ratio: float = 0.0
     predicted_time: float = 0.0
     ring_is_last_on_all: bool = False
+    slot: int = -1
 
     def __post_init__(self) -> None:
         if self.sharded and not self.ring:
@@ -86,9 +91,9 @@ class MicroBatchPlan:
         """Every document, in token order (local first)."""
         return self.local + self.sharded
 
-    @property
+    @cached_property
     def num_tokens(self) -> int:
-        """Tokens this rank holds in the micro-batch."""
+        """Tokens this rank holds in the micro-batch (computed once)."""
         n = len(self.ring)
         return sum(d.length for d in self.local) + sum(
             zigzag.local_tokens(d.length, n, self.ring_pos) for d in self.sharded)
@@ -124,7 +129,7 @@ class MicroBatchPlan:
             d = json.loads(bytes(data).decode())
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"MicroBatchPlan.from_bytes: not a serialised micro-batch plan ({e})") from None
-        if not isinstance(d, dict) or d.pop("format", None) != _FORMAT:
+        if not isinstance(d, dict) or d.pop("format", None) not in _FORMATS:
             raise ValueError(f"MicroBatchPlan.from_bytes: expected format {_FORMAT!r}")
         try:
             docs = {k: tuple(DocRef(**x) for x in d.pop(k)) for k in ("local", "sharded")}
@@ -146,8 +151,9 @@ class MicroBatchPlan:
         for name in ("rank", "index", "ring_pos"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 0:
                 bad(name, getattr(self, name))
-        if not is_int(self.ring_id) or self.ring_id < -1:
-            bad("ring_id", self.ring_id)
+        for name in ("ring_id", "slot"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < -1:
+                bad(name, getattr(self, name))
         if not all(is_int(r) and r >= 0 for r in self.ring) or len(set(self.ring)) != len(self.ring):
             bad("ring", self.ring)
         if not isinstance(self.ring_is_last_on_all, bool):

@@ -1,30 +1,36 @@
-"""The step executor: one HDP step as phases that a schedule drives.
+"""The step executor: one class runs every schedule (HDP, FSDP2 / EP lockstep, 1F1B pipelines).
 
-    executor = StepExecutor(model)                  # model: a HybridDataParallel
+    executor = StepExecutor(model)                  # model: a HybridDataParallel (a stage of it with pp > 1)
     for step in loader:
-        out = executor.run(step)                    # forward, backward, finish
+        out = executor.run(step)                    # the schedule's operations, then gradient sync
         clip_grad_norm_(model.parameters(), 1.0); opt.step(); opt.zero_grad()
 
-``run`` is the plain HDP schedule: the micro-batches in the plan's order (the order the planner's
-replay assumes: a ring starts when all its members reach it), each one's forward then backward.
-A schedule that separates them (a pipeline's 1F1B) calls the phases itself::
+The executor decides the schedule's kind once, from the mesh and the model
+(:func:`bytescale.runtime.schedule.schedule_kind`), and each step builds the rank's operations from
+the step's plan (:func:`~bytescale.runtime.schedule.build_schedule`): flat, lockstep with its
+padding entries, or 1F1B. The loader delivers the plan's own micro-batches; the schedule decides
+which run when. A stage I/O object (:mod:`bytescale.runtime.stage_io`) gives what differs by
+pipeline stage: the first stage embeds tokens, others receive hidden states; the last computes
+the loss, others send. ``run`` is ``start``, the operations, ``finish``; a caller may drive the
+phases itself (``forward(j)`` / ``backward(j)`` over the schedule's positions).
 
-    executor.start(step)
-    executor.forward(0); executor.forward(1); executor.backward(0); ...
-    out = executor.finish()
-
-What the executor owns, per micro-batch: its layout (the micro-batch's own, entered in both of its
-phases: activation checkpointing recomputes the forward inside backward), the plan's offload ratio
-(forward), the vocabulary-parallel loss of a tensor-parallel model (both phases), bf16 autocast
+What the executor owns, per micro-batch: its layout (entered in both of its phases: activation
+checkpointing recomputes the forward inside backward), the plan's offload ratio (forward), the
+vocabulary-parallel loss of a tensor-parallel model (both phases on the last stage), autocast
 (forward), the token-level loss over the global batch plus the MoE balance loss, and gradient
-synchronisation (started by the backward of the rank's last micro-batch, finished by
-:meth:`finish`). It checks that the step was planned for this rank's mesh.
+synchronisation (started by the rank's last backward, finished by :meth:`finish`). It checks that
+the step was planned for this rank's mesh and, for schedules whose forwards hold collectives
+(lockstep), that every rank can run it (all raise together, never a hang).
+
+Loss: the last stage computes the token-level loss over the global batch (and each stage its MoE
+balance loss), so the gradients equal single-process training on the same global batch;
+:attr:`StepOutput.loss` is this rank's share (0 before the last stage).
 """
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -32,12 +38,16 @@ import torch
 from ..attention.layout import Layout
 from .loss import token_level_loss
 from .parallel import HybridDataParallel
+from .schedule import FLAT, Schedule, build_schedule, schedule_kind
+from .stage_io import stage_io, takes_layout
 from .types import MicroBatch, Step
 
-__all__ = ["StepExecutor", "StepOutput", "ForwardFn", "default_forward"]
+__all__ = ["StepExecutor", "StepOutput", "ForwardFn", "default_forward", "check_plan_dims"]
 
-ForwardFn = Callable[[torch.nn.Module, MicroBatch, Step], Tuple[torch.Tensor, Optional[torch.Tensor]]]
-"""``forward(module, mb, step) -> (logits (T, V), aux loss or None)``."""
+ForwardFn = Callable[..., Tuple[torch.Tensor, Optional[torch.Tensor]]]
+"""``forward(module, mb, step, hidden=None) -> (out, aux loss or None)``: ``out`` the logits (T, V)
+on the last stage, the hidden states before it; ``hidden`` the previous stage's output (pipelines
+only: a custom forward without pipelines is called without it)."""
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:
@@ -57,21 +67,17 @@ def check_plan_dims(step: Step, mesh, who: str) -> None:
                          f"this rank's mesh is {mine.describe()} ({mine.world} ranks); plan with the mesh's dims")
 
 
-def _is_llama(module: torch.nn.Module) -> bool:
-    from ..models.llama import Llama
-
-    return isinstance(getattr(module, "module", module), Llama)
-
-
-def default_forward(module: torch.nn.Module, mb: MicroBatch, step: Step):
-    """bytescale's Llama (``layout=``, the MoE balance loss) or an HF causal LM (its attention reads
-    the current layout; a zero-token padding slot runs one dummy token, under the one-token layout
-    the executor gives it, whose logits count 0)."""
+def default_forward(module: torch.nn.Module, mb: MicroBatch, step: Step, hidden: Optional[torch.Tensor] = None):
+    """A stage model (bytescale's Llama: ``layout=``, ``hidden=``, the MoE balance loss;
+    :mod:`bytescale.runtime.stage_io`) or an HF causal LM (its attention reads the current
+    layout; a zero-token padding entry runs one dummy token, under the one-token layout the
+    executor gives it, whose logits count 0)."""
     dev = _device_of(getattr(module, "module", module))
-    ids = mb.input_ids.to(dev, non_blocking=True)
     pos = mb.position_ids.to(dev, non_blocking=True)
-    if _is_llama(module):
-        return module(ids, pos, layout=mb.layout, global_tokens=step.global_tokens, return_aux=True)
+    if takes_layout(module):
+        ids = None if hidden is not None else mb.input_ids.to(dev, non_blocking=True)
+        return module(ids, pos, layout=mb.layout, global_tokens=step.global_tokens, return_aux=True, hidden=hidden)
+    ids = mb.input_ids.to(dev, non_blocking=True)
     if ids.numel() == 0:
         out = module(input_ids=ids.new_zeros(1, 1), position_ids=pos.new_zeros(1, 1), use_cache=False)
         return out.logits[0, :0] + out.logits.sum() * 0, None
@@ -82,8 +88,10 @@ def default_forward(module: torch.nn.Module, mb: MicroBatch, step: Step):
 @dataclass(frozen=True)
 class StepOutput:
     """What a step left on this rank: its loss (the token-level loss of this rank's micro-batches,
-    summed; the global batch's loss is the sum over HDP units), the MoE balance loss, the time in
-    the micro-batches' phases and how many held tokens."""
+    summed; the global batch's loss is the sum over HDP units; 0 before a pipeline's last stage),
+    the MoE balance loss, the time inside the schedule's operations (receives and send
+    completions excluded, so that 1 - compute / step over the ranks is the measured bubble) and
+    how many micro-batches held tokens."""
 
     loss: float
     aux: float
@@ -92,18 +100,30 @@ class StepOutput:
 
 
 @dataclass
-class _Pending:
-    objective: torch.Tensor
+class _Held:
+    """A micro-batch between its forward and its backward."""
+
+    inp: Optional[torch.Tensor]     # the received hidden states (a leaf; None on the first stage)
+    out: torch.Tensor               # the objective (last stage) or the stage's output
+    aux: Optional[torch.Tensor]     # before the last stage: this stage's MoE balance loss
     loss: float
-    aux: float
+    aux_value: float
+    layout: Layout
+
+
+def _empty(rank: int, k: int, mb_plan) -> MicroBatch:
+    e = torch.empty(0, dtype=torch.long)
+    return MicroBatch(e, e.clone(), e.clone(), plan=mb_plan, layout=mb_plan.layout())
 
 
 class StepExecutor:
-    """Runs steps of a :class:`HybridDataParallel` model (module docstring).
+    """Runs steps of a :class:`HybridDataParallel` model under any schedule (module docstring).
 
     Args:
-        model: the wrapped model (replicated parameters or FSDP2; tensor-parallel inside it).
-        forward: ``forward(module, mb, step) -> (logits, aux)`` (default :func:`default_forward`).
+        model: the wrapped model (replicated parameters or FSDP2; tensor- or expert-parallel
+            inside it; one pipeline stage when the mesh has ``pp`` > 1).
+        forward: ``forward(module, mb, step, hidden=None) -> (out, aux)`` (default
+            :func:`default_forward`).
         autocast: a context manager factory for the forward (e.g. bf16 autocast), or None.
         mesh: the job's :class:`bytescale.Mesh` (default: the current one); a step planned for
             other units raises.
@@ -119,130 +139,182 @@ class StepExecutor:
         self.forward_fn = forward or default_forward
         self.autocast = autocast
         self.mesh = mesh if mesh is not None else current_mesh()
+        self.kind = schedule_kind(self.mesh, model)
+        self.io = stage_io(model, self.mesh)
         self.loss_parallel = bool(getattr(model.module, "loss_parallel", False))
         self._step: Optional[Step] = None
-        self._pending: Dict[int, _Pending] = {}
-        self._layouts: Dict[int, Layout] = {}  # each micro-batch's layout, for both of its phases
+        self._schedule: Optional[Schedule] = None
+        self._mbs: Tuple[MicroBatch, ...] = ()
+        self._held: Dict[int, _Held] = {}
         self._done: set = set()
-        self._loss = 0.0
-        self._aux = 0.0
-        self._compute = 0.0
+        self._loss = self._aux = self._compute = 0.0
+
+    @property
+    def rank(self) -> int:
+        if self.mesh is not None:
+            return int(self.mesh.rank)
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def schedule(self) -> Optional[Schedule]:
+        """The current step's schedule (None between steps)."""
+        return self._schedule
 
     # -- phases ----------------------------------------------------------------------------------
-    def start(self, step: Step) -> None:
-        """Begin ``step`` (checks that it was planned for this rank's units)."""
+    def start(self, step: Step) -> Schedule:
+        """Begin ``step``: check it and build this rank's schedule (returned)."""
         if self._step is not None:
             raise RuntimeError(f"StepExecutor: step {self._step.index} is not finished; call finish() first")
         if not isinstance(step, Step):
             raise TypeError(f"StepExecutor: expected a bytescale Step, got {type(step).__name__}")
         self._check_plan(step)
-        self._step = step
-        self._pending.clear()
-        self._layouts.clear()
+        sched = self._build(step)
+        self._mbs = tuple(_empty(self.rank, j, e) if s < 0 else
+                          (step.micro_batches[s] if e is step.micro_batches[s].plan
+                           else replace(step.micro_batches[s], plan=e))
+                          for j, (e, s) in enumerate(zip(sched.entries, sched.source)))
+        self._step, self._schedule = step, sched
+        self._held.clear()
         self._done = set()
         self._loss = self._aux = self._compute = 0.0
+        self.io.waited = 0.0
+        return sched
 
-    def forward(self, k: int) -> float:
-        """Forward of micro-batch ``k`` (in the step's order); returns its token-level loss."""
-        step, mb = self._current(k, "forward")
-        if k in self._pending or k in self._done:
-            raise RuntimeError(f"StepExecutor: micro-batch {k} of step {step.index} already ran its forward")
-        t0 = time.perf_counter()
-        self._layouts[k] = layout = self._layout(mb)
+    def forward(self, j: int) -> float:
+        """Forward of the schedule's entry ``j``; returns its token-level loss (0 before the last stage)."""
+        step, mb = self._current(j, "forward")
+        if j in self._held or j in self._done:
+            raise RuntimeError(f"StepExecutor: micro-batch {j} of step {step.index} already ran its forward")
+        t0, w0 = time.perf_counter(), self.io.waited
+        inp = self.io.receive_forward((mb.num_tokens,), self._where(step, j))
+        layout = self._layout(mb)
         with self.model.forward_scope(mb, layout=layout), self._loss_scope():
             with (self.autocast() if self.autocast is not None else contextlib.nullcontext()):
-                logits, aux = self.forward_fn(self.model, mb, step)
-                labels = mb.labels.to(logits.device)
-                loss = token_level_loss(logits, labels, step.global_loss_tokens)
-            if hasattr(loss, "to_local"):  # vocabulary-parallel loss: the same value on every TP rank
-                loss = loss.to_local()
-            objective = loss if aux is None else loss + aux
-        self._compute += time.perf_counter() - t0
-        p = _Pending(objective, float(loss.detach()), 0.0 if aux is None else float(aux.detach()))
-        self._pending[k] = p
-        return p.loss
+                out, aux = (self.forward_fn(self.model, mb, step) if inp is None else
+                            self.forward_fn(self.model, mb, step, hidden=inp))
+                if self.io.last:
+                    loss = token_level_loss(out, mb.labels.to(out.device), step.global_loss_tokens)
+            if self.io.last:
+                if hasattr(loss, "to_local"):  # vocabulary-parallel loss: the same value on every TP rank
+                    loss = loss.to_local()
+                held = _Held(inp, loss if aux is None else loss + aux, None, float(loss.detach()),
+                             0.0 if aux is None else float(aux.detach()), layout)
+        if not self.io.last:
+            self.io.send_forward(out)
+            grad_aux = aux if aux is not None and aux.requires_grad else None
+            held = _Held(inp, out, grad_aux, 0.0, 0.0 if aux is None else float(aux.detach()), layout)
+        self._compute += time.perf_counter() - t0 - (self.io.waited - w0)
+        self._held[j] = held
+        return held.loss
 
-    def backward(self, k: int) -> None:
-        """Backward of micro-batch ``k``; the rank's last micro-batch starts gradient sync."""
-        step, mb = self._current(k, "backward")
-        p = self._pending.pop(k, None)
-        if p is None:
-            raise RuntimeError(f"StepExecutor: micro-batch {k} of step {step.index} has no forward to go back through")
-        t0 = time.perf_counter()
-        last = len(self._done) + 1 == len(step.micro_batches)
-        with self.model.backward_scope(mb, last=last, layout=self._layouts.pop(k)), self._loss_scope():
-            p.objective.backward()
-        self._compute += time.perf_counter() - t0
-        self._done.add(k)
-        self._loss += p.loss
-        self._aux += p.aux
+    def backward(self, j: int) -> None:
+        """Backward of the schedule's entry ``j``; the rank's last backward starts gradient sync."""
+        step, mb = self._current(j, "backward")
+        h = self._held.pop(j, None)
+        if h is None:
+            raise RuntimeError(f"StepExecutor: micro-batch {j} of step {step.index} has no forward to go back through")
+        t0, w0 = time.perf_counter(), self.io.waited
+        last = len(self._done) + 1 == len(self._mbs)
+        with self.model.backward_scope(mb, last=last, layout=h.layout), self._loss_scope():
+            if self.io.last:
+                h.out.backward()
+            else:
+                g = self.io.receive_backward(tuple(h.out.shape), self._where(step, j))
+                outs, grads = [h.out], [g.to(h.out.dtype)]
+                if h.aux is not None:
+                    outs.append(h.aux)
+                    grads.append(torch.ones_like(h.aux))
+                torch.autograd.backward(outs, grads)
+        if not self.io.first:
+            self.io.send_backward(h.inp.grad if h.inp.grad is not None else torch.zeros_like(h.inp))
+        self._compute += time.perf_counter() - t0 - (self.io.waited - w0)
+        self._done.add(j)
+        self._loss += h.loss
+        self._aux += h.aux_value
 
     def finish(self) -> StepOutput:
-        """Finish the step's gradient synchronisation (every rank, once per step)."""
+        """Wait for this rank's sends and finish the step's gradient synchronisation (every rank,
+        once per step)."""
         step = self._step
         if step is None:
             raise RuntimeError("StepExecutor.finish: no step was started")
-        if self._pending or len(self._done) != len(step.micro_batches):
-            missing = sorted(set(range(len(step.micro_batches))) - self._done)
+        if self._held or len(self._done) != len(self._mbs):
+            missing = sorted(set(range(len(self._mbs))) - self._done)
             raise RuntimeError(f"StepExecutor.finish: step {step.index} micro-batches {missing} did not run "
                                "forward and backward")
+        try:
+            self.io.wait_sends()
+        finally:
+            self._step, self._schedule = None, None
         t0 = time.perf_counter()
         self.model.finish_step()
         self._compute += time.perf_counter() - t0
-        self._step = None
-        return StepOutput(self._loss, self._aux, self._compute,
-                          sum(1 for m in step.micro_batches if m.num_tokens))
+        return StepOutput(self._loss, self._aux, self._compute, sum(1 for m in step.micro_batches if m.num_tokens))
 
     def run(self, step: Step) -> StepOutput:
-        """The HDP schedule: every micro-batch's forward then backward, in the plan's order."""
-        self.start(step)
-        for k in range(len(step.micro_batches)):
-            self.forward(k)
-            self.backward(k)
+        """``step`` under this rank's schedule: its operations in order, then :meth:`finish`."""
+        sched = self.start(step)
+        try:
+            for kind, j in sched.ops:
+                self.forward(j) if kind == "F" else self.backward(j)
+        except BaseException:
+            self._step, self._schedule = None, None
+            raise
         return self.finish()
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _current(self, k: int, phase: str) -> Tuple[Step, MicroBatch]:
+    def _current(self, j: int, phase: str) -> Tuple[Step, MicroBatch]:
         step = self._step
         if step is None:
             raise RuntimeError(f"StepExecutor.{phase}: no step was started (call start(step))")
-        if not 0 <= k < len(step.micro_batches):
-            raise IndexError(f"StepExecutor.{phase}: micro-batch {k} outside [0, {len(step.micro_batches)}) of "
-                             f"step {step.index}")
-        return step, step.micro_batches[k]
+        if not 0 <= j < len(self._mbs):
+            raise IndexError(f"StepExecutor.{phase}: micro-batch {j} outside [0, {len(self._mbs)}) of the "
+                             f"schedule of step {step.index}")
+        return step, self._mbs[j]
+
+    def _where(self, step: Step, j: int) -> str:
+        return f"step {step.index} micro-batch {j} (slot {self._mbs[j].plan.slot})"
 
     def _layout(self, mb: MicroBatch) -> Layout:
-        """The micro-batch's layout; an HF model's zero-token padding slot runs one dummy token."""
-        if mb.num_tokens == 0 and not _is_llama(self.model):
+        """The micro-batch's layout; an HF model's zero-token padding entry runs one dummy token."""
+        if mb.num_tokens == 0 and not takes_layout(self.model):
             return Layout.local([1])
         return mb.layout
 
-    def _check_ep_slots(self, step: Step, ep: int) -> None:
-        """Expert parallelism: the step's micro-batches must be the plan's lockstep slots of this
-        rank's EP group (every member the same number, rings in their common slot), or the
-        all-to-alls would hang; a step laid out otherwise raises here on every rank (one small
-        all-reduce of a flag), before the model's collectives."""
+    def _build(self, step: Step) -> Schedule:
+        """This rank's schedule of the step; for lockstep every rank first agrees that it could
+        build its own (one small all-reduce), so that a bad step raises everywhere."""
+        mine = tuple(m.plan for m in step.micro_batches)
+        if self.kind.kind == FLAT:
+            return build_schedule(step.plan, self.rank, self.kind, mine)
+        error = None
         try:
-            want = step.plan.lockstep_micro_batches(self.mesh.rank, group=ep)
-        except (AttributeError, ValueError) as e:
-            raise ValueError(f"StepExecutor: step {step.index}: cannot check the expert-parallel slots ({e})") from None
-        import torch.distributed as dist
+            if step.plan is None:
+                raise ValueError("the step carries no plan")
+            sched = build_schedule(step.plan, self.rank, self.kind, mine)
+            want = step.plan.micro_batches(self.rank)
+            if [(m.ring_id, tuple(d.batch_pos for d in m.documents)) for m in want] != \
+                    [(m.ring_id, tuple(d.batch_pos for d in m.documents)) for m in mine]:
+                raise ValueError(f"its {len(mine)} micro-batches are not the plan's {len(want)} (in the plan's "
+                                 "order): run the loader's steps as they come")
+        except ValueError as e:
+            error = e
+        if self.kind.kind != "1f1b":  # lockstep: the forwards hold collectives every rank must join
+            import torch.distributed as dist
 
-        key = [(m.ring_id, tuple(d.batch_pos for d in m.documents)) for m in want]
-        have = [(m.plan.ring_id, tuple(d.batch_pos for d in m.plan.documents)) for m in step.micro_batches]
-        # agreed by every rank (one tiny all-reduce), so that all of them raise or none does
-        flag = torch.tensor([1 if key == have else 0], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        if int(flag) == 0:
-            where = "" if key != have else " on another rank"
-            raise ValueError(
-                f"StepExecutor: step {step.index}: with expert parallelism (ep={ep}) every rank of an EP group must "
-                f"run the plan's lockstep slots ({len(want)} on rank {self.mesh.rank}, padding included), but the "
-                f"step has {len(have)} micro-batches in another order{where}; build the loader with "
-                f"LoaderConfig(lockstep=True, lockstep_group={ep}), or the all-to-alls would hang")
+            flag = torch.tensor([0 if error is not None else 1], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            if int(flag) == 0 and error is None:
+                error = ValueError("another rank cannot run its schedule of this step")
+        if error is not None:
+            raise ValueError(f"StepExecutor: step {step.index} on rank {self.rank} ({self.kind.describe()}): "
+                             f"{error}") from None
+        return sched
 
     def _loss_scope(self):
-        if not self.loss_parallel:
+        if not (self.loss_parallel and self.io.last):
             return contextlib.nullcontext()
         from torch.distributed.tensor.parallel import loss_parallel
 
@@ -251,9 +323,6 @@ class StepExecutor:
     def _check_plan(self, step: Step) -> None:
         check_plan_dims(step, self.mesh, "StepExecutor")
         plan_units = getattr(step.plan, "units", None)
-        ep = int(getattr(getattr(self.model, "module", None), "ep_size", 1) or 1)
-        if ep > 1 and step.plan is not None and self.mesh is not None:
-            self._check_ep_slots(step, ep)
         if self.mesh is None or plan_units is None:
             return
         mine = self.mesh.units

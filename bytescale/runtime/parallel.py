@@ -26,8 +26,8 @@ every other parameter over ``process_group`` as above.
 Sharded parameters (FSDP2): wrap a model already passed through ``fully_shard``. Then FSDP2 does the
 gradient reduce-scatter (as a SUM: the wrapper sets the gradient divide factor to 1) and gradient
 sync is enabled on the last micro-batch only. FSDP2 all-gathers parameters in every forward, which
-every rank must join, so every rank must run the SAME number of micro-batches: build the loader
-with ``LoaderConfig(lockstep=True)`` (ranks with fewer get empty micro-batches, zero tokens).
+every rank must join, so every rank must run the SAME number of micro-batches: the step executor
+runs a lockstep schedule for it (ranks with fewer run empty micro-batches, zero tokens).
 
 Usage::
 
@@ -301,8 +301,8 @@ class HybridDataParallel(nn.Module):
         """Finish the step's gradient synchronisation (call once per step on every rank)."""
         if self.fsdp:
             if not self._in_step:
-                raise RuntimeError("HybridDataParallel (FSDP2): this rank ran no micro-batch; build "
-                                   "the loader with pad_micro_batches=True")
+                raise RuntimeError("HybridDataParallel (FSDP2): this rank ran no micro-batch; run the "
+                                   "step through bytescale.StepExecutor (its lockstep schedule)")
             self._in_step = False
             return
         if not self._in_step:

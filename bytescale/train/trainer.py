@@ -4,12 +4,12 @@ One :class:`Trainer` owns a run: the process group (unless one exists), the data
 loader, the model (bytescale's Llama or an HF model) and its parallelisation, AdamW with warm-up
 and cosine decay, checkpoints and metrics. Each step: wait for this rank's micro-batches (the
 loader plans the global batch over HDP units and prefetches the next one), the step executor
-(:class:`bytescale.runtime.StepExecutor`: forward and backward of each micro-batch in the plan's
-order with its layout and offload ratio, the token-level loss plus the MoE balance loss, gradient
-sync over the HDP dimension), clipping on the summed gradient, the optimizer and LR steps,
-metrics, and a checkpoint when due. The job's mesh is ``pp x hdp x tp`` (``--pp``, ``--tp``,
-:func:`bytescale.init_mesh`); with ``--pp`` each rank trains its pipeline stage through
-:class:`bytescale.runtime.PipelineExecutor` (1F1B over the plan's slots).
+(:class:`bytescale.runtime.StepExecutor`: the rank's schedule of the plan, flat, lockstep under
+FSDP2 or EP, 1F1B with ``--pp``; each micro-batch with its layout and offload ratio, the
+token-level loss plus the MoE balance loss, gradient sync over the HDP dimension), clipping on the
+summed gradient, the optimizer and LR steps, metrics, and a checkpoint when due. The job's mesh is
+``pp x hdp x tp`` (``--pp``, ``--tp``, :func:`bytescale.init_mesh`); with ``--pp`` each rank
+trains its pipeline stage.
 """
 from __future__ import annotations
 
@@ -197,14 +197,11 @@ class Trainer:
                                 units=self.units)
         self.step = 0
         self.peak = peak_flops(self.device, cfg.train.peak_tflops)
-        from ..runtime import PipelineExecutor, StepExecutor
+        from ..runtime import StepExecutor
 
         dev_type = self.device.type
         autocast = (lambda: torch.autocast(dev_type, dtype=torch.bfloat16)) if cfg.train.bf16 else None
-        if self.mesh.pp > 1:
-            self.executor = PipelineExecutor(self.model, mesh=self.mesh, autocast=autocast)
-        else:
-            self.executor = StepExecutor(self.model, mesh=self.mesh, autocast=autocast)
+        self.executor = StepExecutor(self.model, mesh=self.mesh, autocast=autocast)
         if cfg.checkpoint.dir:
             self.checkpointer = Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep,
                                              async_save=cfg.checkpoint.async_save, timeout=train_timeout())

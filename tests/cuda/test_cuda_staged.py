@@ -2,7 +2,7 @@
 csrc/comm/staged_transport.h: every message through pinned host memory over Gloo): what NCCL
 cannot run on a single GPU (it refuses two ranks on one device) runs multi-process here with the
 real CUDA compute path: ring attention with the flash / cuDNN steps, CUDA dynamic-group and world
-collectives, HDP training with activation offloading, and PP 2 x HDP 2 pipelines (PipelineExecutor),
+collectives, HDP training with activation offloading, and PP 2 x HDP 2 pipelines (StepExecutor),
 against single-process references.
 Skipped without a GPU (the staging code itself is tested on CPU tensors in
 tests/comm/test_staged_transport.py). Run by scripts/gpu_check.sh.
@@ -150,7 +150,7 @@ def _pipeline_on_cuda(rank, world):
     from test_pipeline_executor import Case, _cfg, _dataset, _loader_config, _model  # noqa: E402
 
     import bytescale
-    from bytescale import HybridDataParallel, PipelineExecutor
+    from bytescale import HybridDataParallel, StepExecutor
     from bytescale.config import PlannerConfig, RuntimeConfig
     from bytescale.data import HDPLoader
 
@@ -160,7 +160,7 @@ def _pipeline_on_cuda(rank, world):
     model = HybridDataParallel(net, process_group=mesh.group("hdp"), config=RuntimeConfig(bucket_cap_mb=0.01))
     loader = HDPLoader(_dataset(case), PlannerConfig(case.capacity, case.strategy, pp=2), _loader_config(case),
                        units=mesh)
-    executor = PipelineExecutor(model, mesh=mesh)
+    executor = StepExecutor(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for step in loader:
         executor.run(step)
@@ -171,7 +171,7 @@ def _pipeline_on_cuda(rank, world):
 
 
 def test_pipeline_pp2_hdp2_on_one_gpu_matches_single_process():
-    """PP 2 x HDP 2 (bytescale.PipelineExecutor: 1F1B over the plan's slots, activations and
+    """PP 2 x HDP 2 (bytescale.StepExecutor: 1F1B over the plan's slots, activations and
     gradients on the per-direction channels) with the CUDA compute path, against the float64
     single-process reference of tests/runtime/test_pipeline_executor.py."""
     import sys

@@ -1,13 +1,13 @@
 """Expert parallelism for the MoE Llama under HDP (``bytescale.init_mesh(ep=E)``).
 
 Each MoE layer's experts are sharded over E consecutive HDP ranks; tokens go to their experts and
-back by uneven all-to-alls (dropless). The loader runs the plan's lockstep slots per EP group, so
+back by uneven all-to-alls (dropless). The step executor runs the plan's lockstep slots per EP group, so
 ranks with fewer real micro-batches (none at all, in some steps) run zero-token slots that still
 join the all-to-alls, forward, backward and, with activation checkpointing, recomputation. After
 several SGD steps every parameter (experts by their global name) and every step's loss equal
 single-process float64 training on the same global batches; documents are sharded over rings of
-2 and 3 ranks that cross EP groups. A step laid out without the EP lockstep is refused on every
-rank with a clear error instead of hanging in an all-to-all.
+2 and 3 ranks that cross EP groups. A step whose micro-batches are not the plan's (on one rank) is
+refused on every rank with a clear error instead of hanging in an all-to-all.
 """
 from __future__ import annotations
 
@@ -58,11 +58,11 @@ def _reference(cfg: LlamaConfig):
     return {k: v.detach() for k, v in model.named_parameters()}, losses, batches
 
 
-def _ep_worker(rank, world, cfg_dict, ep, act_ckpt, lockstep, tp=1, capacity=CAPACITY):
+def _ep_worker(rank, world, cfg_dict, ep, act_ckpt, tamper=False, tp=1, capacity=CAPACITY):
     import bytescale
     from bytescale import HybridDataParallel
     from bytescale.models import expert_parallel
-    from bytescale.runtime import StepExecutor
+    from bytescale.runtime import StepExecutor, build_schedule
     from bytescale.runtime.grad import grad_norm
     from bytescale.models.expert_parallel import expert_norm_groups
 
@@ -77,20 +77,23 @@ def _ep_worker(rank, world, cfg_dict, ep, act_ckpt, lockstep, tp=1, capacity=CAP
     model = HybridDataParallel(net, process_group=mesh.group("hdp") if tp > 1 else None,
                                config=RuntimeConfig(bucket_cap_mb=0.01))
     loader = HDPLoader(_dataset(), PlannerConfig(capacity),
-                       _loader_config(lockstep=lockstep, lockstep_group=ep if lockstep else 0))
+                       _loader_config())
     executor = StepExecutor(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     stats = []
     try:
         for step in loader:
+            if tamper and step.plan.num_micro_batches(step.plan.units.unit_of(rank)) and \
+                    rank == min(r for r in range(world) if step.plan.num_micro_batches(step.plan.units.unit_of(r))):
+                step = dataclasses.replace(step, micro_batches=step.micro_batches[1:])  # not the plan's
             out = executor.run(step)
             norm = float(grad_norm(model.parameters(), expert_norm_groups(net)))
             opt.step()
             opt.zero_grad()
-            mbs = step.micro_batches
+            mbs = build_schedule(step.plan, rank, executor.kind).entries  # what the executor ran
             stats.append({"ids": list(step.sample_ids), "loss": out.loss, "slots": len(mbs),
-                          "real": sum(1 for m in mbs if not m.plan.is_empty),
-                          "rings": [len(m.plan.ring) for m in mbs], "norm": norm})
+                          "real": sum(1 for m in mbs if not m.is_empty),
+                          "rings": [len(m.ring) for m in mbs], "norm": norm})
     except ValueError as e:
         return {"error": str(e)}
     finally:
@@ -103,7 +106,7 @@ def _ep_worker(rank, world, cfg_dict, ep, act_ckpt, lockstep, tp=1, capacity=CAP
 
 def _check(ep: int, act_ckpt: bool = False, tp: int = 1):
     ref, ref_losses, batches = _reference(MOE)
-    res = run_distributed(_ep_worker, WORLD, dataclasses.asdict(MOE), ep, act_ckpt, True, tp,
+    res = run_distributed(_ep_worker, WORLD, dataclasses.asdict(MOE), ep, act_ckpt, False, tp,
                           CAPACITY if tp == 1 else 160, timeout=480)
     per = MOE.n_experts // ep
     units = WORLD // tp
@@ -152,11 +155,14 @@ def test_ep2_with_tp2_matches_single_process_float64():
 
 
 @pytest.mark.nccl_order
-def test_ep_without_lockstep_slots_is_refused_on_every_rank_not_hung():
-    res = run_distributed(_ep_worker, WORLD, dataclasses.asdict(MOE), 2, False, False, timeout=240)
-    for r in res:
-        assert "error" in r, r.get("stats")
-        assert "lockstep=True, lockstep_group=2" in r["error"] and "would hang" in r["error"]
+def test_a_step_that_is_not_the_plans_is_refused_on_every_rank_not_hung():
+    res = run_distributed(_ep_worker, WORLD, dataclasses.asdict(MOE), 2, False, True, timeout=240)
+    errors = [r.get("error", "") for r in res]
+    assert all("StepExecutor: step 0" in e and "lockstep over blocks of 2 HDP units" in e for e in errors), errors
+    # the tampered rank names its own mismatch; every other rank that another rank could not
+    assert sum("another rank cannot run its schedule" not in e for e in errors) == 1, errors
+    assert any("micro-batches" in e and "another rank" not in e for e in errors), errors
+    assert sum("another rank cannot run its schedule" in e for e in errors) == WORLD - 1, errors
 
 
 def _bad_mesh(rank, world, ep):

@@ -16,7 +16,6 @@ import torch
 from bytescale.config import LoaderConfig, PlannerConfig, RuntimeConfig
 from bytescale.data import HDPLoader, SyntheticTokens
 from bytescale.models import Llama, LlamaConfig
-from bytescale.runtime import token_level_loss
 from fixtures import TINY, tiny_llama
 from dist_utils import run_distributed, train_on_whole_documents
 
@@ -55,10 +54,8 @@ def _reference(cfg: LlamaConfig, hdp: int):
 
 def _tp_worker(rank, world, cfg_dict, tp, sp, fsdp):
     import bytescale
-    from torch.distributed.tensor.parallel import loss_parallel
-
     from bytescale import HybridDataParallel
-    from bytescale.models.parallel import local_tensor, tensor_parallel
+    from bytescale.models.parallel import tensor_parallel
 
     cfg = LlamaConfig(**cfg_dict)
     mesh = bytescale.init_mesh(tp=tp)
@@ -75,20 +72,13 @@ def _tp_worker(rank, world, cfg_dict, tp, sp, fsdp):
         model = HybridDataParallel(net, process_group=mesh.group("hdp"),
                                    config=RuntimeConfig(bucket_cap_mb=0.01))
     loader = HDPLoader(_dataset(), PlannerConfig(CAPACITY[hdp], "pow2" if hdp == 3 else "balanced"),
-                       _loader_config(lockstep=fsdp))
+                       _loader_config())
+    executor = bytescale.StepExecutor(model, mesh=mesh)  # FSDP2: its lockstep schedule
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     stats = []
     for step in loader:
         mbs = step.micro_batches
-        loss_sum = 0.0
-        for i, mb in enumerate(mbs):
-            with model.micro_batch(mb, last=i == len(mbs) - 1), loss_parallel():
-                logits, aux = model(mb.input_ids, mb.position_ids, layout=mb.layout,
-                                    global_tokens=step.global_tokens, return_aux=True)
-                loss = local_tensor(token_level_loss(logits, mb.labels, step.global_loss_tokens))
-                (loss + aux).backward()
-            loss_sum += float(loss.detach())
-        model.finish_step()
+        loss_sum = executor.run(step).loss
         opt.step()
         opt.zero_grad()
         stats.append((list(step.sample_ids), [len(m.plan.ring) for m in mbs],

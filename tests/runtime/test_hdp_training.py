@@ -11,7 +11,7 @@ import torch
 from bytescale.attention import Layout
 from bytescale.config import LoaderConfig, PlannerConfig, RuntimeConfig
 from bytescale.data import IGNORE_INDEX, HDPLoader, SyntheticTokens
-from bytescale.runtime import token_level_loss
+from bytescale.runtime import StepExecutor, token_level_loss
 from fixtures import TINY, tiny_llama
 from dist_utils import run_distributed
 
@@ -153,38 +153,39 @@ def _hdp_fsdp(rank, world):
     from bytescale import HybridDataParallel
 
     loader = HDPLoader(_dataset(), PlannerConfig(CAPACITY, STRATEGY.get(world, "balanced")),
-                       LoaderConfig(TOKENS_PER_BATCH, seed=5, max_steps=STEPS, lockstep=True))
+                       LoaderConfig(TOKENS_PER_BATCH, seed=5, max_steps=STEPS))
     net = _model(torch.float64)
     mesh = init_device_mesh("cpu", (world,))
     for layer in net.layers.values():
         fully_shard(layer, mesh=mesh)
     fully_shard(net, mesh=mesh)
     model = HybridDataParallel(net)
+    executor = StepExecutor(model)  # FSDP2: the lockstep schedule (every rank the same slots)
+    assert executor.kind.describe() == "lockstep over all HDP units"
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    counts = []
+    counts, slots = [], []
     for step in loader:
-        mbs = step.micro_batches
-        counts.append(sum(1 for m in mbs if m.num_tokens))
-        for i, mb in enumerate(mbs):
-            with model.micro_batch(mb, last=(i == len(mbs) - 1)):
-                logits = model(mb.input_ids, mb.position_ids, layout=mb.layout)
-                token_level_loss(logits, mb.labels, step.global_loss_tokens).backward()
-        model.finish_step()
+        counts.append(sum(1 for m in step.micro_batches if m.num_tokens))
+        slots.append(len(executor.start(step)))
+        for kind, j in executor.schedule.ops:
+            executor.forward(j) if kind == "F" else executor.backward(j)
+        executor.finish()
         opt.step()
         opt.zero_grad()
     loader.close()
-    return [p.full_tensor().detach() for p in net.parameters()], counts
+    return [p.full_tensor().detach() for p in net.parameters()], counts, slots
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_hdp_with_fsdp2_matches_single_process(world):
     ref, _ = _reference(torch.float64, world)
     per_rank = run_distributed(_hdp_fsdp, world, timeout=300)
-    for params, _ in per_rank:
+    for params, _, _ in per_rank:
         for p, r in zip(params, ref):
             torch.testing.assert_close(p, r, rtol=1e-9, atol=1e-11)
-    # real (non-padding) micro-batch counts differed across ranks at least once
-    assert len({tuple(c) for _, c in per_rank}) > 1
+    # real (non-padding) micro-batch counts differed across ranks at least once, the slots never
+    assert len({tuple(c) for _, c, _ in per_rank}) > 1
+    assert len({tuple(s) for _, _, s in per_rank}) == 1
 
 
 def test_plan_driven_offloading_matches_single_process():

@@ -1,5 +1,5 @@
 """Pipeline parallelism under HDP (issue 23): each stage runs its pipeline's micro-batches in the
-1F1B order of the plan's slots (bytescale.runtime.PipelineExecutor), activations and gradients
+1F1B order of the plan's slots (bytescale.runtime.StepExecutor), activations and gradients
 cross the stage boundaries on their channels, rings run at every stage on their member pipelines
 at a common slot. After several optimizer steps every stage's parameters, and every step's loss,
 equal single-process training of the whole model on the same global batches (float64, tight
@@ -81,7 +81,7 @@ def _reference(case: Case):
 
 def _stage_setup(case: Case):
     import bytescale
-    from bytescale import HybridDataParallel, PipelineExecutor
+    from bytescale import HybridDataParallel, StepExecutor
     from bytescale.models.parallel import tensor_parallel
 
     mesh = bytescale.init_mesh(tp=case.tp, pp=case.pp)
@@ -91,7 +91,7 @@ def _stage_setup(case: Case):
     model = HybridDataParallel(net, process_group=mesh.group("hdp"), config=RuntimeConfig(bucket_cap_mb=0.01))
     loader = HDPLoader(_dataset(case), PlannerConfig(case.capacity, case.strategy, pp=case.pp),
                        _loader_config(case), units=mesh)
-    return mesh, net, model, loader, PipelineExecutor(model, mesh=mesh)
+    return mesh, net, model, loader, StepExecutor(model, mesh=mesh)
 
 
 def _pp_worker(rank, world, case):
@@ -175,7 +175,7 @@ def test_pp2_hdp2_tp2_matches_single_process():
 
 def _wrong_depth_worker(rank, world):
     import bytescale
-    from bytescale import HybridDataParallel, PipelineExecutor
+    from bytescale import HybridDataParallel, StepExecutor
 
     mesh = bytescale.init_mesh(pp=2)
     net = _model(CFG).pipeline_stage(mesh.stage, mesh.pp)
@@ -184,7 +184,7 @@ def _wrong_depth_worker(rank, world):
     loader = HDPLoader(_dataset(case), PlannerConfig(600, "balanced", pp=3), _loader_config(case), units=mesh)
     step = next(iter(loader))
     loader.close()
-    return capture_error(lambda: PipelineExecutor(model, mesh=mesh).run(step))
+    return capture_error(lambda: StepExecutor(model, mesh=mesh).run(step))
 
 
 def test_a_plan_for_another_depth_raises_on_every_stage():
@@ -279,7 +279,7 @@ def _matrix_worker(rank, world, pp, hdp, tp, n_layers):
             if mesh is None:
                 mesh, net, model, loader, executor = _stage_setup(case)
             else:  # the same mesh (its groups), a fresh model and loader
-                from bytescale import HybridDataParallel, PipelineExecutor
+                from bytescale import HybridDataParallel, StepExecutor
                 from bytescale.models.parallel import tensor_parallel
 
                 net = _model(_cfg(case)).pipeline_stage(mesh.stage, mesh.pp)
@@ -289,7 +289,7 @@ def _matrix_worker(rank, world, pp, hdp, tp, n_layers):
                                            config=RuntimeConfig(bucket_cap_mb=0.01))
                 loader = HDPLoader(_dataset(case), PlannerConfig(case.capacity, strategy, pp=pp),
                                    _loader_config(case), units=mesh)
-                executor = PipelineExecutor(model, mesh=mesh)
+                executor = StepExecutor(model, mesh=mesh)
             opt = torch.optim.SGD(model.parameters(), lr=0.5)
             losses, shapes = [], []
             for step in loader:
