@@ -27,6 +27,7 @@ run resumed on any number of ranks sees exactly the batches it would have seen.
 from __future__ import annotations
 
 import concurrent.futures
+from dataclasses import replace
 import hashlib
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -128,20 +129,21 @@ class GlobalBatchSampler:
         self._perm = self._permutation(self.epoch)
 
 
-def _unit_map(units: Any, world_size: int) -> UnitMap:
-    """The loader's HDP units: a UnitMap, a bytescale Mesh's, the current mesh's, or one rank each."""
+def _unit_map(units: Any, world_size: int) -> Tuple[UnitMap, Any]:
+    """The loader's HDP units and the job's ParallelDims (None for a bare UnitMap): a UnitMap, a
+    bytescale Mesh's, the current mesh's, or one rank each."""
     if units is None:
         from ..comm.mesh import current_mesh
 
-        mesh = current_mesh()
-        units = mesh.units if mesh is not None else UnitMap.identity(world_size)
+        units = current_mesh() or UnitMap.identity(world_size)
+    dims = None if isinstance(units, UnitMap) else getattr(units, "dims", None)
     units = getattr(units, "units", units) if not isinstance(units, UnitMap) else units
     if not isinstance(units, UnitMap):
         raise TypeError(f"HDPLoader: units must be a bytescale.planner.UnitMap or a bytescale.Mesh, "
                         f"got {type(units).__name__}")
     if any(r >= world_size for r in units.ranks):
         raise ValueError(f"HDPLoader: the unit map {units.describe()} names ranks beyond the world of {world_size}")
-    return units
+    return units, dims
 
 
 def _plan_fingerprint(specs_by_rank_digest: bytes) -> int:
@@ -189,7 +191,12 @@ class HDPLoader:
         self.world_size = dist.get_world_size() if world_size is None else int(world_size)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"HDPLoader: rank {self.rank} outside [0, {self.world_size})")
-        self.units = _unit_map(units, self.world_size)
+        self.units, self.dims = _unit_map(units, self.world_size)
+        if self.dims is not None:  # the pipeline depth is the mesh's (bytescale/parallel_dims.py)
+            if planner.pp not in (1, self.dims.pp):
+                raise ValueError(f"HDPLoader: PlannerConfig(pp={planner.pp}) contradicts the mesh's pp={self.dims.pp} "
+                                 f"({self.dims.describe()}); the depth is the mesh's: leave PlannerConfig.pp at 1")
+            self.planner = planner = replace(planner, pp=self.dims.pp)
         if self.rank not in self.units:
             raise ValueError(f"HDPLoader: rank {self.rank} is in no HDP unit of {self.units.describe()}")
         # documents no plan of this mesh can hold: found now, handled as config.oversize says
@@ -253,6 +260,7 @@ class HDPLoader:
     def _build(self, step_index: int, batch: GlobalBatch, offsets: Optional[Tuple[int, ...]] = None) -> Step:
         sample_ids, lengths = list(batch.sample_ids), [int(n) for n in batch.lengths]
         plan = self.planner.plan(lengths, self.units if not self.units.is_identity else self.units.num_units)
+        plan.dims = self.dims  # planned for the mesh's dims: the executor compares them with its own
         mine = plan.micro_batches(self.rank, sample_ids)  # the executor's schedule orders them
         bf16 = self.runtime.bf16_grad_comm
         micro = tuple(materialize(self.source, mb, bf16, offsets) for mb in mine)

@@ -181,15 +181,20 @@ def _wrong_depth_worker(rank, world):
     net = _model(CFG).pipeline_stage(mesh.stage, mesh.pp)
     model = HybridDataParallel(net, process_group=mesh.group("hdp"))
     case = Case(pp=2, hdp=1)
-    loader = HDPLoader(_dataset(case), PlannerConfig(600, "balanced", pp=3), _loader_config(case), units=mesh)
+    # a loader on the mesh takes the depth from it: a planner config saying otherwise is refused
+    refused = capture_error(lambda: HDPLoader(_dataset(case), PlannerConfig(600, "balanced", pp=3),
+                                              _loader_config(case), units=mesh))
+    # a plan made for depth 3 over the bare unit map reaches the executor, which refuses it
+    loader = HDPLoader(_dataset(case), PlannerConfig(600, "balanced", pp=3), _loader_config(case), units=mesh.units)
     step = next(iter(loader))
     loader.close()
-    return capture_error(lambda: StepExecutor(model, mesh=mesh).run(step))
+    return refused, capture_error(lambda: StepExecutor(model, mesh=mesh).run(step))
 
 
 def test_a_plan_for_another_depth_raises_on_every_stage():
-    for kind, msg, _ in run_distributed(_wrong_depth_worker, 2, timeout=180):
-        assert kind == "ValueError" and "3" in msg and "2" in msg, msg
+    for (kind, msg, _), (kind2, msg2, _) in run_distributed(_wrong_depth_worker, 2, timeout=180):
+        assert kind == "ValueError" and "PlannerConfig(pp=3) contradicts the mesh's pp=2" in msg, msg
+        assert kind2 == "ValueError" and "3" in msg2 and "2" in msg2 and "1F1B" in msg2, msg2
 
 
 def _ep_pipeline_worker(rank, world):
