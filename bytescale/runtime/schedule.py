@@ -21,7 +21,13 @@ runs it and nothing else. Three kinds:
     ``d`` pipelines runs at every stage on those pipelines' units at the same slot, so its ring
     attention meets its members at the same point of their orders. The 1F1B order of ``S`` slots
     is a subsequence of that of any ``S' >= S``: every stage's operations embed in one canonical
-    pipeline's acyclic dependency graph, so the schedule cannot hang.
+    pipeline's acyclic dependency graph, so the schedule cannot hang. With FSDP2 or expert
+    parallelism inside the stages (``padded``) every pipeline of a block (all of the stage's HDP
+    units for FSDP2, ``group`` consecutive ones for EP) runs every slot up to the block's last,
+    a padding entry (zero tokens, no transfer) where it has no micro-batch: then the members of a
+    block run the same operations in the same order, so the collectives inside their forwards and
+    backwards (FSDP2's all-gathers and reduce-scatters, EP's all-to-alls) always match; the
+    padded order of ``S`` slots is still the 1F1B order of ``S`` slots, so the argument holds.
 
 Each entry is a :class:`~bytescale.planner.MicroBatchPlan` carrying its ``slot`` (lockstep or
 1F1B) and its token count, with ``ring_is_last_on_all`` as the schedule runs it (whether gradient
@@ -45,12 +51,14 @@ class ScheduleKind:
     """How this rank's steps are scheduled (decided once per job by :func:`schedule_kind`).
 
     ``group``: lockstep within blocks of this many HDP units (0: all of them). ``stages`` /
-    ``stage``: the pipeline depth and this rank's stage (1F1B)."""
+    ``stage``: the pipeline depth and this rank's stage (1F1B). ``padded``: 1F1B over every slot
+    of the rank's block (FSDP2 or EP inside the stages), padding where the pipeline has none."""
 
     kind: str = FLAT
     group: int = 0
     stages: int = 1
     stage: int = 0
+    padded: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in (FLAT, LOCKSTEP, ONE_F_ONE_B):
@@ -65,23 +73,24 @@ class ScheduleKind:
         if self.kind == LOCKSTEP:
             return f"lockstep over {'all HDP units' if not self.group else f'blocks of {self.group} HDP units'}"
         if self.kind == ONE_F_ONE_B:
-            return f"1F1B, stage {self.stage} of {self.stages}"
+            pad = ("" if not self.padded else
+                   f", slots padded over {'all HDP units' if not self.group else f'blocks of {self.group} HDP units'}")
+            return f"1F1B, stage {self.stage} of {self.stages}{pad}"
         return "flat"
 
 
 def schedule_kind(mesh: Any, model: Any) -> ScheduleKind:
     """The one place that decides the schedule: pipelines (``mesh.pp`` > 1) run 1F1B; FSDP2
     (``model.fsdp``) runs lockstep over every HDP unit; expert parallelism (the model's
-    ``ep_size``, else ``mesh.ep``) lockstep within its EP groups; anything else flat."""
+    ``ep_size``, else ``mesh.ep``) lockstep within its EP groups; both inside pipeline stages
+    pad the 1F1B slots over those blocks; anything else flat."""
     pp = int(getattr(mesh, "pp", 1) or 1)
     module = getattr(model, "module", model)
     ep = int(getattr(module, "ep_size", 0) or getattr(mesh, "ep", 1) or 1)
     fsdp = bool(getattr(model, "fsdp", False))
     if pp > 1:
-        if fsdp or ep > 1:
-            raise ValueError(f"schedule: pipelines (pp={pp}) with {'FSDP2' if fsdp else f'expert parallelism (ep={ep})'}"
-                             " are not scheduled (bytescale.parallel_dims.REFUSED)")
-        return ScheduleKind(ONE_F_ONE_B, stages=pp, stage=int(mesh.stage))
+        return ScheduleKind(ONE_F_ONE_B, group=0 if fsdp else (ep if ep > 1 else 0), stages=pp,
+                            stage=int(mesh.stage), padded=fsdp or ep > 1)
     if fsdp:
         return ScheduleKind(LOCKSTEP, group=0)
     if ep > 1:
@@ -163,6 +172,8 @@ def build_schedule(plan: Any, rank: int, kind: ScheduleKind,
         if len(slots) != len(mine):
             raise ValueError(f"build_schedule: rank {rank} has {len(mine)} micro-batches, its plan {len(slots)} "
                              "pipeline slots")
+        if kind.padded:
+            return _padded_1f1b(plan, rank, kind, mine, slots)
         entries = tuple(replace(m, slot=int(s)) for m, s in zip(mine, slots))
         return Schedule(kind, entries, tuple(range(len(mine))),
                         tuple(pipeline_order(slots, kind.stages, kind.stage)))
@@ -198,3 +209,39 @@ def _lockstep(plan: Any, rank: int, kind: ScheduleKind, mine: Tuple[MicroBatchPl
         entries.append(replace(mb, slot=k, ring_is_last_on_all=last))
         source.append(m - base)
     return Schedule(kind, tuple(entries), tuple(source), _flat_ops(len(entries)))
+
+
+def _block_counts(counts, group: int):
+    """Per unit, the slot count of its block (the block's largest; ``group`` 0: one block)."""
+    n = len(counts)
+    if group and n % group:
+        raise ValueError(f"build_schedule: group {group} does not divide the {n} HDP units")
+    g = group or max(n, 1)
+    return [max(counts[u // g * g:u // g * g + g]) for u in range(n)]
+
+
+def _padded_1f1b(plan: Any, rank: int, kind: ScheduleKind, mine: Tuple[MicroBatchPlan, ...],
+                 slots: List[int]) -> Schedule:
+    """1F1B over every slot of the rank's block: the unit's micro-batch at its slot, padding in
+    the gaps and up to the block's last slot."""
+    import numpy as np
+
+    units = plan.units
+    rank_mb, mb_slot = np.asarray(plan.raw.rank_mb), np.asarray(plan.slots)
+    own = [int(mb_slot[int(rank_mb[u + 1]) - 1]) + 1 if rank_mb[u + 1] > rank_mb[u] else 0
+           for u in range(units.num_units)]
+    block = _block_counts(own, kind.group)
+    unit = units.unit_of(rank)
+    at = {s: k for k, s in enumerate(slots)}
+    entries, source = [], []
+    for k in range(block[unit]):
+        if k not in at:
+            entries.append(MicroBatchPlan(rank, k, slot=k))
+            source.append(-1)
+            continue
+        mb = mine[at[k]]
+        last = bool(mb.ring) and all(k == block[units.unit_of(r)] - 1 for r in mb.ring)
+        entries.append(replace(mb, slot=k, ring_is_last_on_all=last))
+        source.append(at[k])
+    return Schedule(kind, tuple(entries), tuple(source),
+                    tuple(pipeline_order(list(range(block[unit])), kind.stages, kind.stage)))

@@ -5,7 +5,8 @@ pipelines (:class:`WholeModel`) the rank is both first and last stage: it embeds
 computes the loss, and nothing crosses ranks. With pipelines (:class:`PipelineStage`) stage ``p``
 receives a micro-batch's hidden states ``(T, hidden)`` from ``p - 1`` before its forward and sends
 its output to ``p + 1`` after it; in backward it receives the gradient of its output from ``p + 1``
-and sends the gradient of its input to ``p - 1``.
+and sends the gradient of its input to ``p - 1``. A zero-token entry (lockstep padding) moves
+nothing: both ends know its size from the plan.
 
 Transfers run on :meth:`bytescale.Mesh.p2p_group` (one static two-rank group per boundary and
 direction). Both ends list the transfers of a channel in slot order, so a transfer is matched with
@@ -84,9 +85,10 @@ class PipelineStage:
             raise ValueError(f"StepExecutor: rank {mesh.rank} is stage {self.stage} of {self.stages}, but its "
                              f"model is stage {module.stage} of {module.stages}; call "
                              f"model.pipeline_stage(mesh.stage, mesh.pp)")
-        if getattr(model, "process_group", None) is None or getattr(model, "fsdp", False):
+        if getattr(model, "process_group", None) is None and not getattr(model, "fsdp", False):
             raise ValueError("StepExecutor: with pipelines, sum the stage's gradients over its HDP group: "
-                             "HybridDataParallel(stage, process_group=mesh.group('hdp'))")
+                             "HybridDataParallel(stage, process_group=mesh.group('hdp')), or shard the stage "
+                             "with FSDP2 over mesh['hdp']")
         p = next(module.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.hidden_size = int(module.hidden_size)
@@ -99,11 +101,15 @@ class PipelineStage:
         return self.mesh.grid[stage][c["hdp"]][c["tp"]]
 
     def _send(self, t: torch.Tensor, channel: Tuple[str, int], stage: int) -> None:
+        if t.numel() == 0:  # a padding entry: both ends know from the plan that nothing crosses
+            return
         t = t.detach().to(self.dtype).contiguous()
         self._sends.append(dist.isend(t, dst=self._peer(stage), group=self.mesh.p2p_group(*channel)))
 
     def _recv(self, shape, channel: Tuple[str, int], stage: int, where: str, what: str) -> torch.Tensor:
         buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if buf.numel() == 0:  # a padding entry (zero tokens): nothing was sent
+            return buf
         peer = self._peer(stage)
         t0 = time.perf_counter()
         try:

@@ -49,6 +49,8 @@ class Case:
     steps: int = 3
     n_layers: int = 2
     moe: bool = False
+    fsdp: bool = False  # FSDP2 over each stage's HDP group (padded 1F1B slots)
+    ep: int = 1         # experts sharded over blocks of ep pipelines per stage (padded 1F1B slots)
 
 
 def _dataset(case: Case):
@@ -84,21 +86,37 @@ def _stage_setup(case: Case):
     from bytescale import HybridDataParallel, StepExecutor
     from bytescale.models.parallel import tensor_parallel
 
-    mesh = bytescale.init_mesh(tp=case.tp, pp=case.pp)
-    net = _model(_cfg(case)).pipeline_stage(mesh.stage, mesh.pp)
+    mesh = bytescale.init_mesh(tp=case.tp, pp=case.pp, ep=case.ep)
+    net = _model(_cfg(case))
+    if case.ep > 1:
+        from bytescale.models import expert_parallel
+
+        expert_parallel(net, mesh)
+    net.pipeline_stage(mesh.stage, mesh.pp)
     if case.tp > 1:
         tensor_parallel(net, mesh["tp"])
-    model = HybridDataParallel(net, process_group=mesh.group("hdp"), config=RuntimeConfig(bucket_cap_mb=0.01))
-    loader = HDPLoader(_dataset(case), PlannerConfig(case.capacity, case.strategy, pp=case.pp),
-                       _loader_config(case), units=mesh)
+    if case.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in net.layers.values():
+            fully_shard(layer, mesh=mesh["hdp"])
+        fully_shard(net, mesh=mesh["hdp"])
+        model = HybridDataParallel(net)
+    else:
+        model = HybridDataParallel(net, process_group=mesh.group("hdp"), config=RuntimeConfig(bucket_cap_mb=0.01))
+    # the depth comes from the mesh (a loader on a mesh plans for its dims)
+    loader = HDPLoader(_dataset(case), PlannerConfig(case.capacity, case.strategy), _loader_config(case), units=mesh)
     return mesh, net, model, loader, StepExecutor(model, mesh=mesh)
 
 
 def _pp_worker(rank, world, case):
+    from bytescale.runtime import build_schedule
+
     mesh, net, model, loader, executor = _stage_setup(case)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     stats = []
     for step in loader:
+        sched = build_schedule(step.plan, rank, executor.kind)
         out = executor.run(step)
         opt.step()
         opt.zero_grad()
@@ -106,7 +124,8 @@ def _pp_worker(rank, world, case):
         stats.append({"ids": list(step.sample_ids), "loss": out.loss, "slots": slots,
                       "rings": [tuple(m.plan.ring) for m in step.micro_batches],
                       "sharded": [m.plan.is_ring for m in step.micro_batches],
-                      "docs": [[d.batch_pos for d in m.plan.documents] for m in step.micro_batches]})
+                      "docs": [[d.batch_pos for d in m.plan.documents] for m in step.micro_batches],
+                      "entries": len(sched), "padding": sched.padding, "kind": executor.kind.describe()})
     loader.close()
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in net.named_parameters()}
     return params, stats, mesh.coords()
@@ -159,6 +178,30 @@ def test_pp2_hdp2_moe_balance_loss_of_every_stage_matches_single_process():
     _check(Case(pp=2, hdp=2, moe=True, steps=2))
 
 
+def _padded(runs, case: Case, what: str) -> None:
+    """Every member of a block ran the same number of entries; some ran padding."""
+    block = case.ep if case.ep > 1 else case.hdp
+    for st, c in runs:
+        assert all(what in s["kind"] for s in st), st[0]["kind"]
+    for k in range(case.steps):
+        for b in range(0, case.hdp, block):
+            for p in range(case.pp):
+                assert len({st[k]["entries"] for st, c in runs if b <= c["hdp"] < b + block and c["pp"] == p}) == 1
+    assert any(s["padding"] for st, _ in runs for s in st), "no pipeline ran a padding slot"
+
+
+def test_pp2_hdp2_with_fsdp2_matches_single_process():
+    # FSDP2 over each stage's HDP group: uneven PP-Balance counts padded to the stage's slots
+    case = Case(pp=2, hdp=2, fsdp=True)
+    _padded(_check(case), case, "slots padded over all HDP units")
+
+
+def test_pp2_hdp2_with_expert_parallelism_matches_single_process():
+    # each stage's MoE layers sharded over its EP group (the stage's two pipelines)
+    case = Case(pp=2, hdp=2, moe=True, ep=2, steps=2)
+    _padded(_check(case), case, "slots padded over blocks of 2 HDP units")
+
+
 def test_pp3_hdp1_three_stages_match_single_process():
     _check(Case(pp=3, hdp=1, n_layers=3, strategy="balanced", capacity=600))
 
@@ -197,24 +240,17 @@ def test_a_plan_for_another_depth_raises_on_every_stage():
         assert kind2 == "ValueError" and "3" in msg2 and "2" in msg2 and "1F1B" in msg2, msg2
 
 
-def _ep_pipeline_worker(rank, world):
-    import bytescale
-
-    refused = capture_error(lambda: bytescale.init_mesh(pp=2, ep=2))
-    mesh = bytescale.init_mesh(pp=2)  # the world is still usable: every rank refused alike
-    return refused, mesh.pp
-
-
-def test_an_expert_parallel_mesh_is_refused_like_the_trainer_does():
-    """The mesh refuses pp with ep by the same rule, in the same words, as the trainer's options
-    (bytescale/parallel_dims.py), on every rank and before any group is made."""
+def test_what_pipelines_do_not_compose_with_is_refused_like_the_trainer_does():
+    """Pipelines with sequence parallelism are refused by the one matrix (bytescale/parallel_dims.py),
+    in the same words for the library's ParallelDims / ParallelConfig and the trainer's options;
+    pipelines with FSDP2 or EP are not (tested above)."""
     from bytescale.config import ParallelConfig
+    from bytescale.parallel_dims import ParallelDims
 
-    with pytest.raises(ValueError, match="pp=2 with ep=2 is not supported"):
-        ParallelConfig(pp=2, ep=2)
-    for (kind, msg, _), pp in run_distributed(_ep_pipeline_worker, 4, timeout=180):
-        assert kind == "ValueError" and "bytescale.init_mesh: pp=2 with ep=2 is not supported" in msg, msg
-        assert pp == 2
+    for make in (lambda: ParallelConfig(pp=2, tp=2, sequence_parallel=True), lambda: ParallelDims(8, pp=2, tp=2, sp=True)):
+        with pytest.raises(ValueError, match=r"pp=2 with sequence parallelism \(sp\) is not supported"):
+            make()
+    assert ParallelDims(8, pp=2, ep=2).hdp == ParallelDims(8, pp=2, fsdp=True).hdp == 4
 
 
 def test_a_layer_count_the_stages_do_not_divide_raises():
