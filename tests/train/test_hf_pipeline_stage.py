@@ -1,0 +1,177 @@
+"""HF causal LMs cut into pipeline stages (bytescale.models.hf_pipeline_stage), single process.
+
+For HF Llama, Qwen2, Mistral, Qwen3 and Mixtral (tiny random configs, float64), the stages chained
+by hand (each stage's output as the next one's ``hidden=``), under a layout of several local
+documents, give the whole model's logits, and after backward of the same loss the same gradients
+for every parameter (each on the stage that holds it, under the whole model's name), for 2 and 3
+stages; also with activation checkpointing (the recomputation runs under the layout too, outside
+the caller's scope). What cannot be cut is refused with a clear ValueError.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import bytescale.models.hf  # noqa: E402,F401  (registers attn_implementation="bytescale")
+from bytescale.attention import Layout, micro_batch_context  # noqa: E402
+from bytescale.models import hf_pipeline_stage  # noqa: E402
+
+V, LAYERS = 64, 6
+SIZES = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+LENS = [9, 1, 23, 4, 14]
+
+
+def _config(family: str, **kw):
+    kw = {**SIZES, **kw}
+    if family == "llama":
+        return transformers.LlamaConfig(**kw)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**kw)
+    if family == "qwen3":
+        return transformers.Qwen3Config(**kw)
+    if family == "mistral":
+        return transformers.MistralConfig(sliding_window=None, **kw)
+    if family == "mixtral":
+        return transformers.MixtralConfig(sliding_window=None, num_local_experts=4, num_experts_per_tok=2, **kw)
+    raise ValueError(family)
+
+
+def _model(family: str, **kw):
+    torch.manual_seed(0)
+    extra = {"experts_implementation": "eager"} if family == "mixtral" else {}  # float64 experts
+    return transformers.AutoModelForCausalLM.from_config(_config(family, **kw), attn_implementation="bytescale",
+                                                         dtype=torch.float64, **extra)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (sum(LENS),), generator=g)
+    pos = torch.cat([torch.arange(n) for n in LENS])
+    labels = torch.randint(0, V, (sum(LENS),), generator=g)
+    return ids, pos, labels
+
+
+def _loss(logits, labels):
+    return torch.nn.functional.cross_entropy(logits, labels, reduction="sum") / 50.0
+
+
+def _whole(family):
+    """The unsplit model: logits of the packed batch and its gradients, by parameter name."""
+    model = _model(family)
+    ids, pos, labels = _batch()
+    with micro_batch_context(Layout.local(LENS)):
+        logits = model(input_ids=ids[None], position_ids=pos[None]).logits[0]
+        _loss(logits, labels).backward()
+    # independent of the layout: each document alone through the unsplit model
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=d[None]).logits[0] for d in ids.split(LENS)])
+    torch.testing.assert_close(logits.detach(), alone, rtol=1e-6, atol=1e-7)
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _chained(family, stages, checkpointing=False):
+    """The stages run one after the other, each from a whole model built alike."""
+    ids, pos, labels = _batch()
+    layout = Layout.local(LENS)
+    parts = [hf_pipeline_stage(_model(family), s, stages) for s in range(stages)]
+    hidden, outs, auxes = None, [], []
+    for s, part in enumerate(parts):
+        part.activation_checkpointing = checkpointing
+        inp = None if hidden is None else hidden.detach().requires_grad_(True)
+        out, aux = part(ids if s == 0 else None, pos, layout=layout, global_tokens=sum(LENS), return_aux=True,
+                        hidden=inp)
+        outs.append((inp, out))
+        auxes.append(aux)
+        hidden = out
+    logits = hidden
+    # backward stage by stage, as a pipeline does: the last from the loss, the others from the
+    # gradient of their output (each stage's backward outside any layout scope of the caller)
+    grad = None
+    for s in reversed(range(stages)):
+        inp, out = outs[s]
+        if s == stages - 1:
+            _loss(out, labels).backward()
+        else:
+            out.backward(grad)
+        grad = None if inp is None else inp.grad
+    grads = {}
+    for part in parts:
+        for n, p in part.named_parameters():
+            assert n not in grads, n
+            grads[n] = p.grad
+    return parts, logits.detach(), grads, auxes
+
+
+FAMILIES = ["llama", "qwen2", "mistral", "qwen3", "mixtral"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chained_stages_equal_the_whole_model(family):
+    ref_logits, ref_grads = _whole(family)
+    for stages in (2, 3):
+        for ckpt in ((False, True) if family in ("llama", "qwen2") and stages == 3 else (False,)):
+            parts, logits, grads, auxes = _chained(family, stages, ckpt)
+            torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-12)
+            assert sorted(grads) == sorted(ref_grads), (stages, set(grads) ^ set(ref_grads))
+            for n, g in grads.items():
+                assert g is not None, (family, stages, n)
+                torch.testing.assert_close(g, ref_grads[n], rtol=0, atol=1e-12, msg=lambda m: f"{n}: {m}")
+            for s, (part, aux) in enumerate(zip(parts, auxes)):
+                assert (part.stage, part.stages, part.hidden_size, part.takes_layout) == (s, stages, 32, True)
+                assert aux.dim() == 0 and aux.item() == 0.0
+                per = LAYERS // stages
+                assert list(part.layers.keys()) == [str(i) for i in range(s * per, (s + 1) * per)]
+                assert (part.model.embed_tokens is not None) == (s == 0)
+                assert (part.lm_head is not None) == (part.model.norm is not None) == (s == stages - 1)
+
+
+def test_hidden_shapes_and_first_stage_inputs():
+    ids, pos, _ = _batch()
+    first, last = (hf_pipeline_stage(_model("llama"), s, 2) for s in range(2))
+    h = first(ids, pos, layout=Layout.local(LENS))
+    assert h.shape == (sum(LENS), 32)
+    assert last(None, pos, layout=Layout.local(LENS), hidden=h).shape == (sum(LENS), V)
+    with pytest.raises(ValueError, match=r"takes hidden= \(T, 32\)"):
+        last(ids, pos, layout=Layout.local(LENS))
+    with pytest.raises(ValueError, match="takes packed 1-D input_ids"):
+        first(None, pos, hidden=h)
+
+
+def test_what_cannot_be_cut_is_refused():
+    with pytest.raises(ValueError, match="4 stages do not divide the model's 6 layers"):
+        hf_pipeline_stage(_model("llama"), 0, 4)
+    with pytest.raises(ValueError, match=r"stage 3 outside \[0, 3\)"):
+        hf_pipeline_stage(_model("qwen2"), 3, 3)
+    with pytest.raises(ValueError, match="tie_word_embeddings=False"):
+        hf_pipeline_stage(_model("qwen2", tie_word_embeddings=True), 0, 2)
+    whole = hf_pipeline_stage(_model("qwen2", tie_word_embeddings=True), 0, 1)  # one stage: nothing to sum
+    assert whole.lm_head.weight is whole.model.embed_tokens.weight
+    with pytest.raises(ValueError, match="sliding-window attention"):
+        hf_pipeline_stage(transformers.AutoModelForCausalLM.from_config(
+            transformers.MistralConfig(**SIZES, sliding_window=16), attn_implementation="bytescale"), 0, 2)
+    with pytest.raises(ValueError, match="attn_implementation='eager'"):
+        hf_pipeline_stage(transformers.AutoModelForCausalLM.from_config(
+            _config("llama"), attn_implementation="eager"), 0, 2)
+    m = _model("llama")
+    hf_pipeline_stage(m, 0, 2)
+    with pytest.raises(ValueError, match="already a pipeline stage"):
+        hf_pipeline_stage(m, 1, 2)
+
+
+def test_an_empty_micro_batch_runs_one_dummy_token_that_counts_zero():
+    """HF layers cannot run 0 tokens; a stage given none returns (0, ...) outputs and gives every
+    parameter (and the input hidden) a zero gradient, so gradient hooks fire alike on every rank."""
+    first, last = (hf_pipeline_stage(_model("qwen2"), s, 2) for s in range(2))
+    ids = torch.zeros(0, dtype=torch.long)
+    h, aux = first(ids, ids, layout=Layout.local([]), return_aux=True)
+    inp = h.detach().requires_grad_(True)
+    out, _ = last(None, ids, layout=Layout.local([]), return_aux=True, hidden=inp)
+    assert h.shape == (0, 32) and out.shape == (0, V) and aux.item() == 0.0
+    out.sum().backward()
+    h.backward(inp.grad)
+    assert inp.grad.shape == (0, 32)
+    for p in list(first.parameters()) + list(last.parameters()):
+        assert p.grad is not None and not p.grad.any()
