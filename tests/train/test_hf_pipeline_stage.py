@@ -270,3 +270,19 @@ def test_the_trainer_refuses_what_an_hf_stage_cannot_do(tmp_path):
         build(_config("qwen2", tie_word_embeddings=True), 2)
     with pytest.raises(ConfigError, match="hdp.pp=4 .*4 stages do not divide the model's 6 layers"):
         build(_config("llama"), 4)
+
+
+def test_bytescale_llama_states_the_same_stage_protocol():
+    from bytescale.models import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=48)
+    first, last = (Llama(cfg).pipeline_stage(s, 2) for s in range(2))
+    ids, pos, _ = _batch()
+    layout = Layout.local(LENS)
+    for part in (first, last):
+        assert (part.takes_layout, part.hidden_size, part.stages) == (True, 32, 2)
+    h, aux0 = first(ids, pos, layout=layout, global_tokens=sum(LENS), return_aux=True)
+    logits, aux1 = last(None, pos, layout=layout, global_tokens=sum(LENS), return_aux=True, hidden=h)
+    assert h.shape == (sum(LENS), 32) and logits.shape == (sum(LENS), V)
+    assert aux0.dim() == aux1.dim() == 0
