@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from ..attention.api import micro_batch_context
+from ..attention.api import current_layout, micro_batch_context
 from ..attention.layout import Layout
 
 __all__ = ["HFPipelineStage", "hf_pipeline_stage", "VERIFIED_MODEL_TYPES"]
@@ -166,11 +166,12 @@ class HFPipelineStage(nn.Module):
         pos = position_ids[None]
         x = x[None]                                   # HF layers take (1, T, hidden)
         pe = inner.rotary_emb(x, pos)                 # (cos, sin), each (1, T, head_dim)
-        for layer in inner.layers.values():
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(_run_layer, layer, x, pos, pe, layout, use_reentrant=False)
-            else:
-                x = _run_layer(layer, x, pos, pe, layout)
+        with _layout_scope(layout):  # one agreement scope for all layers (ring calls checked once)
+            for layer in inner.layers.values():
+                if self.activation_checkpointing and torch.is_grad_enabled():
+                    x = checkpoint(_run_layer, layer, x, pos, pe, layout, use_reentrant=False)
+                else:
+                    x = _run_layer(layer, x, pos, pe, layout)
         out = x[0] if self.lm_head is None else self.lm_head(inner.norm(x))[0]
         if empty:
             out = out[:0] + out.sum() * 0
@@ -179,11 +180,24 @@ class HFPipelineStage(nn.Module):
         return out, torch.zeros((), dtype=torch.float32, device=out.device)
 
 
+def _layout_scope(layout: Optional[Layout]):
+    """``layout`` made the current micro-batch layout, unless it already is (the forward's own
+    scope, or the caller's: then no new agreement scope, which would check ring calls again).
+    Without a layout: the caller's, if any (else one causal document)."""
+    if layout is None:
+        return contextlib.nullcontext()
+    try:
+        if current_layout() is layout:
+            return contextlib.nullcontext()
+    except RuntimeError:  # blocks open on several other threads: this thread's own block decides
+        pass
+    return micro_batch_context(layout)
+
+
 def _run_layer(layer: nn.Module, x: torch.Tensor, pos: torch.Tensor, pe, layout: Optional[Layout]) -> torch.Tensor:
     """One decoder layer as the model's forward calls it, under ``layout`` (also when activation
-    checkpointing recomputes it in backward, outside the caller's scope)."""
-    scope = micro_batch_context(layout) if layout is not None else contextlib.nullcontext()
-    with scope:
+    checkpointing recomputes it in backward, outside the forward's scope)."""
+    with _layout_scope(layout):
         out = layer(x, attention_mask=None, position_ids=pos, position_embeddings=pe)
     return out[0] if isinstance(out, tuple) else out
 

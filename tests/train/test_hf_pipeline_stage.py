@@ -286,3 +286,32 @@ def test_bytescale_llama_states_the_same_stage_protocol():
     logits, aux1 = last(None, pos, layout=layout, global_tokens=sum(LENS), return_aux=True, hidden=h)
     assert h.shape == (sum(LENS), 32) and logits.shape == (sum(LENS), V)
     assert aux0.dim() == aux1.dim() == 0
+
+
+def test_one_layout_scope_per_forward_and_per_recompute(monkeypatch):
+    """The stage opens one micro_batch_context per forward (ring calls are agreed once for all its
+    layers, not once per layer), none when the caller's is already the layout, and one per
+    recomputed layer in backward when no caller scope is open (the recompute needs the layout)."""
+    import bytescale.models.hf_stage as hs
+
+    opened = []
+    real = hs.micro_batch_context
+
+    def counting(layout):
+        opened.append(layout)
+        return real(layout)
+
+    monkeypatch.setattr(hs, "micro_batch_context", counting)
+    ids, pos, labels = _batch()
+    layout = Layout.local(LENS)
+    part = hf_pipeline_stage(_model("llama"), 0, 1)
+    part(ids, pos, layout=layout)
+    assert len(opened) == 1
+    with real(layout):
+        part(ids, pos, layout=layout)
+    assert len(opened) == 1
+    part.activation_checkpointing = True
+    out = part(ids, pos, layout=layout)
+    assert len(opened) == 2
+    _loss(out, labels).backward()
+    assert len(opened) == 2 + LAYERS and all(x is layout for x in opened)
