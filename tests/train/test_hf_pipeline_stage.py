@@ -315,3 +315,99 @@ def test_one_layout_scope_per_forward_and_per_recompute(monkeypatch):
     assert len(opened) == 2
     _loss(out, labels).backward()
     assert len(opened) == 2 + LAYERS and all(x is layout for x in opened)
+
+
+SHARDED = 40  # one document sharded zig-zag over each stage's ring of the two HDP units
+UNIT_LENS = ([9, 1], [23, 4])
+
+
+def _ring_worker(rank, world, paths):
+    """PP 2 x HDP 2: each stage's two units hold local documents and share one sharded document
+    through ring attention (the ring of the stage's units), built by the trainer's code with
+    activation checkpointing, run by hand across the boundary; gradients summed over HDP."""
+    import torch.distributed as dist
+
+    import bytescale
+    from bytescale.attention.layout import shard
+    from bytescale.train.build import build_model, parallelize
+    from bytescale.train.config import parse_args
+
+    mesh = bytescale.init_mesh(pp=2)
+    cpu = torch.device("cpu")
+    h_idx = mesh.coords()["hdp"]
+    ring = mesh.ranks("hdp")
+    ids, pos, labels = _ring_batch()
+    local = sum(UNIT_LENS[0]) if h_idx == 0 else sum(UNIT_LENS[1])
+    start = 0 if h_idx == 0 else sum(UNIT_LENS[0])
+    tail = slice(sum(map(sum, UNIT_LENS)), None)
+
+    def mine(t):
+        return torch.cat([t[start:start + local], shard(t[tail], [SHARDED], 2, ring.index(rank))])
+
+    my_ids, my_pos, my_labels = mine(ids), mine(pos), mine(labels)
+    layout = Layout.for_rank(UNIT_LENS[h_idx], [SHARDED], ring, rank=rank)
+    T = my_ids.shape[0]
+    out = {}
+    for family, path in paths.items():
+        cfg = parse_args(["--model", path, "--pp", "2", "--data", "synthetic:byted", "--dtype", "float64",
+                          "--activation-checkpointing"])
+        model, info = build_model(cfg, 0, cpu)
+        stage = parallelize(model, info, cfg, cpu, mesh)[0].module
+        fwd, bwd = mesh.p2p_group("fwd", 0), mesh.p2p_group("bwd", 0)
+        peer = mesh.ranks("pp")[1 - mesh.stage]
+        if mesh.stage == 0:
+            hid, _ = stage(my_ids, my_pos, layout=layout, return_aux=True)
+            dist.send(hid.detach().contiguous(), dst=peer, group=fwd)
+            g = torch.empty_like(hid)
+            dist.recv(g, src=peer, group=bwd)
+            hid.backward(g)
+        else:
+            hid = torch.empty(T, stage.hidden_size, dtype=torch.float64)
+            dist.recv(hid, src=peer, group=fwd)
+            hid.requires_grad_(True)
+            logits, _ = stage(None, my_pos, layout=layout, return_aux=True, hidden=hid)
+            _loss(logits, my_labels).backward()
+            dist.send(hid.grad.contiguous(), dst=peer, group=bwd)
+        grads = {}
+        for n, p in stage.named_parameters():
+            dist.all_reduce(p.grad, group=mesh.group("hdp"))
+            grads[n] = p.grad
+        out[family] = (mesh.stage, grads)
+    return out
+
+
+def _ring_batch():
+    lens = UNIT_LENS[0] + UNIT_LENS[1] + [SHARDED]
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (sum(lens),), generator=g)
+    return ids, torch.cat([torch.arange(n) for n in lens]), torch.randint(0, V, (sum(lens),), generator=g)
+
+
+def test_hf_stages_with_ring_attention_across_hdp_units(tmp_path):
+    """Four processes, PP 2 x HDP 2, a document sharded over each stage's ring, activation
+    checkpointing on: the HDP-summed gradients of both stages equal the whole model's on the whole
+    batch (float64)."""
+    from dist_utils import run_distributed
+    from bytescale.train.build import build_model
+    from bytescale.train.config import parse_args
+
+    paths = {}
+    for family in ("llama", "qwen2"):
+        _config(family).save_pretrained(tmp_path / family)
+        paths[family] = str(tmp_path / family / "config.json")
+    results = run_distributed(_ring_worker, 4, paths, timeout=300)
+    ids, pos, labels = _ring_batch()
+    lens = UNIT_LENS[0] + UNIT_LENS[1] + [SHARDED]
+    for family, path in paths.items():
+        whole, _ = build_model(parse_args(["--model", path, "--data", "synthetic:byted", "--dtype", "float64"]), 0,
+                               torch.device("cpu"))
+        with micro_batch_context(Layout.local(lens)):
+            _loss(whole(input_ids=ids[None], position_ids=pos[None]).logits[0], labels).backward()
+        ref = {n: p.grad for n, p in whole.named_parameters()}
+        seen = set()
+        for res in results:
+            stage, grads = res[family]
+            for n, g in grads.items():
+                torch.testing.assert_close(g, ref[n], rtol=1e-9, atol=1e-11, msg=lambda m: f"{family} {n}: {m}")
+            seen |= set(grads)
+        assert seen == set(ref)
