@@ -5,7 +5,11 @@ by hand (each stage's output as the next one's ``hidden=``), under a layout of s
 documents, give the whole model's logits, and after backward of the same loss the same gradients
 for every parameter (each on the stage that holds it, under the whole model's name), for 2 and 3
 stages; also with activation checkpointing (the recomputation runs under the layout too, outside
-the caller's scope). What cannot be cut is refused with a clear ValueError.
+the caller's scope). Built by the trainer's code (``--model config.json --pp 2``) the stages give
+the whole model's gradients across 2 processes, and across PP 2 x HDP 2 with ring attention on each
+stage's ring. The chained and multi-process tests are marked ``nccl_order`` (also run under CUDA's
+execution model on CPU: backward and its recompute on another thread). What cannot be cut is
+refused with a clear ValueError (a ConfigError through the trainer).
 """
 from __future__ import annotations
 
@@ -108,6 +112,7 @@ def _chained(family, stages, checkpointing=False):
 FAMILIES = ["llama", "qwen2", "mistral", "qwen3", "mixtral"]
 
 
+@pytest.mark.nccl_order
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chained_stages_equal_the_whole_model(family):
     ref_logits, ref_grads = _whole(family)
@@ -216,6 +221,7 @@ def _built_stage_worker(rank, world, paths):
     return out
 
 
+@pytest.mark.nccl_order
 def test_the_trainer_builds_hf_stages_with_pp(tmp_path):
     """``--model config.json --pp 2`` builds each rank's HFPipelineStage (activation checkpointing
     on it), and the two stages run by hand across two processes give the whole model's gradients
@@ -383,6 +389,7 @@ def _ring_batch():
     return ids, torch.cat([torch.arange(n) for n in lens]), torch.randint(0, V, (sum(lens),), generator=g)
 
 
+@pytest.mark.nccl_order
 def test_hf_stages_with_ring_attention_across_hdp_units(tmp_path):
     """Four processes, PP 2 x HDP 2, a document sharded over each stage's ring, activation
     checkpointing on: the HDP-summed gradients of both stages equal the whole model's on the whole
