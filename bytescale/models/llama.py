@@ -193,6 +193,9 @@ class Llama(nn.Module):
     times ``router_aux_coef`` (a zero for a dense model), normalised by ``global_tokens`` (the
     global batch's token count; default: this input's), so that adding it to
     :func:`bytescale.token_level_loss` keeps HDP equal to single-process training.
+
+    The step executor's stage protocol: ``takes_layout`` (forward takes ``layout=`` explicitly),
+    ``stage`` / ``stages`` and ``hidden_size`` (the width of the hidden states between stages).
     """
 
     takes_layout = True
@@ -213,6 +216,7 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.stage, self.stages = 0, 1
+        self.hidden_size = cfg.dim
         self.reset_parameters()
 
     def pipeline_stage(self, stage: int, stages: int) -> "Llama":

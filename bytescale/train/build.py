@@ -5,9 +5,11 @@ an HF ``config.json`` (or a directory holding one) builds
 ``AutoModelForCausalLM.from_config(config, attn_implementation="bytescale")``, randomly
 initialised from ``model.init_seed`` (the same on every rank).
 
-Parallelisation, in TorchTitan's order: tensor parallelism inside each HDP unit (the mesh's "tp"
-dimension: :func:`bytescale.models.parallel.tensor_parallel` for bytescale's Llama, the model's own
-transformers plan for HF models), activation checkpointing per block, ``torch.compile`` per block,
+Parallelisation, in TorchTitan's order: this rank's pipeline stage (``--pp``: bytescale's
+``Llama.pipeline_stage``, or :func:`bytescale.models.hf_pipeline_stage` for an HF model), tensor
+parallelism inside each HDP unit (the mesh's "tp" dimension:
+:func:`bytescale.models.parallel.tensor_parallel` for bytescale's Llama, the model's own
+transformers plan for HF models; not inside an HF pipeline stage yet), activation checkpointing per block, ``torch.compile`` per block,
 FSDP2 ``fully_shard`` per block then the root over the mesh's "hdp" dimension, and finally
 :class:`bytescale.HybridDataParallel` (replicated parameters: gradients summed once a step over the
 ranks of the same TP index; FSDP2: the wrapper makes its reduce-scatter a sum and syncs on the last
@@ -247,7 +249,7 @@ def _build_hf(cfg: TrainConfig, data_vocab: int, device: torch.device, dtype: to
 
 def blocks(model: nn.Module, info: ModelInfo) -> List[nn.Module]:
     """The transformer blocks (the unit of checkpointing, compilation and sharding)."""
-    if info.kind == "llama":
+    if info.kind == "llama" or getattr(model, "takes_layout", False):  # ours, or an HF pipeline stage
         return list(model.layers.values())
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
@@ -258,7 +260,9 @@ def blocks(model: nn.Module, info: ModelInfo) -> List[nn.Module]:
 
 def parallelize(model: nn.Module, info: ModelInfo, cfg: TrainConfig, device: torch.device, mesh=None):
     """Tensor parallelism, activation checkpointing, compile, FSDP2, HybridDataParallel (see module
-    docstring). ``mesh``: the job's :class:`bytescale.Mesh` (default: the current one)."""
+    docstring). ``mesh``: the job's :class:`bytescale.Mesh` (default: the current one). With
+    pipelines the model is cut to this rank's stage first (an HF model into a new module,
+    :func:`bytescale.models.hf_pipeline_stage`): the returned wrapper's ``.module`` is the stage."""
     from .. import HybridDataParallel, current_mesh
     from .config import runtime_config
 
@@ -276,12 +280,17 @@ def parallelize(model: nn.Module, info: ModelInfo, cfg: TrainConfig, device: tor
             expert_parallel(model, mesh)
         except ValueError as e:
             raise ConfigError(f"hdp.ep={mesh.ep} with model {cfg.model.name}: {e}") from None
-    if mesh.pp > 1:
-        if info.kind != "llama":
-            raise ConfigError(f"hdp.pp={mesh.pp}: pipeline stages apply to the package's Llama presets, not to the "
-                              f"HF model {cfg.model.name}")
+    if mesh.pp > 1:  # this rank's stage of the whole model (initialised alike on every rank)
         try:
-            model.pipeline_stage(mesh.stage, mesh.pp)
+            if info.kind == "llama":
+                model.pipeline_stage(mesh.stage, mesh.pp)
+            else:
+                from ..models.hf_stage import hf_pipeline_stage
+
+                if mesh.tp > 1:
+                    raise ValueError(f"tensor parallelism (tp={mesh.tp}) inside an HF model's pipeline stage is not "
+                                     "wired (its transformers TP plan names the whole model's layers); use tp=1")
+                model = hf_pipeline_stage(model, mesh.stage, mesh.pp)
         except ValueError as e:
             raise ConfigError(f"hdp.pp={mesh.pp} with model {cfg.model.name}: {e}") from None
     if mesh.tp > 1:
@@ -298,7 +307,7 @@ def parallelize(model: nn.Module, info: ModelInfo, cfg: TrainConfig, device: tor
         except ValueError as e:
             raise ConfigError(f"hdp.tp={mesh.tp} with model {cfg.model.name}: {e}") from None
     if run.activation_checkpointing:
-        if info.kind == "llama":
+        if info.kind == "llama" or getattr(model, "takes_layout", False):  # ours, or an HF pipeline stage
             model.activation_checkpointing = True
         else:
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x

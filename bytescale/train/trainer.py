@@ -163,6 +163,7 @@ class Trainer:
             self.source = LengthRecorder(DatasetSource(self.dataset, cfg.data.tokens_per_batch, cfg.data.seed))
         self.model_module, self.info = build_model(cfg, vocab, self.device)
         self.model, self.runtime = parallelize(self.model_module, self.info, cfg, self.device, self.mesh)
+        self.model_module = self.model.module  # an HF model's pipeline stage is a new module
         from ..models.expert_parallel import expert_norm_groups
 
         self.expert_norm_groups = expert_norm_groups(self.model_module)
