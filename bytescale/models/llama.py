@@ -198,14 +198,11 @@ class Llama(nn.Module):
     ``stage`` / ``stages`` and ``hidden_size`` (the width of the hidden states between stages).
     """
 
-    takes_layout = True
-    """Implements the stage model protocol (:mod:`bytescale.runtime.stage_io`): ``layout=`` and
-    ``hidden=`` in :meth:`forward`, ``stage`` / ``stages`` / ``hidden_size``."""
+    takes_layout = True  # the stage model protocol (bytescale/runtime/stage_io.py)
 
     def __init__(self, cfg: LlamaConfig, attn_fn: Optional[AttentionFn] = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.hidden_size = cfg.dim
         self.activation_checkpointing = False
         fn = attn_fn or default_attention
         block = MoEBlock if cfg.is_moe else Block

@@ -23,8 +23,10 @@ def grad_norm(parameters: Iterable[torch.Tensor], sum_over: Optional[Mapping[tor
     """The L2 norm of all gradients (float64 scalar on the first gradient's device; 0 with none).
 
     ``sum_over``: parameters whose gradients are disjoint parts of the model across a process group
-    (expert parallelism: :func:`bytescale.models.expert_parallel.expert_norm_groups`) -> that group.
-    Collective over those groups: every member passes the same structure."""
+    (expert parallelism: :func:`bytescale.models.expert_parallel.expert_norm_groups`; pipeline
+    stages) -> that group, or a tuple of groups summed over in turn (an expert of one stage: its EP
+    group, then the pipeline's). Collective over those groups: every member passes the same
+    structure."""
     import torch.distributed as dist
 
     sum_over = sum_over or {}
@@ -32,12 +34,14 @@ def grad_norm(parameters: Iterable[torch.Tensor], sum_over: Optional[Mapping[tor
     split: Dict[int, list] = {}
     for p in params:
         if p in sum_over and p.grad is not None:
-            split.setdefault(id(sum_over[p]), [sum_over[p], []])[1].append(p)
+            groups = sum_over[p] if isinstance(sum_over[p], tuple) else (sum_over[p],)
+            split.setdefault(tuple(id(g) for g in groups), [groups, []])[1].append(p)
     total = _norm_sq([p for p in params if p not in sum_over])
-    for group, ps in split.values():
+    for groups, ps in split.values():
         sq = _norm_sq(ps)
         sq = torch.zeros((), dtype=torch.float64) if sq is None else sq.clone()
-        dist.all_reduce(sq, group=group)
+        for group in groups:
+            dist.all_reduce(sq, group=group)
         total = sq if total is None else total + sq.to(total.device)
     if total is None:
         return torch.zeros((), dtype=torch.float64)

@@ -169,7 +169,8 @@ class Trainer:
         self.expert_norm_groups = expert_norm_groups(self.model_module)
         if self.mesh.pp > 1:  # each stage holds its own parameters: their norms add up over the pipeline
             pp_group = self.mesh.group("pp")
-            self.expert_norm_groups = {p: pp_group for p in self.model_module.parameters()}
+            self.expert_norm_groups = {p: (self.expert_norm_groups[p], pp_group) if p in self.expert_norm_groups
+                                       else pp_group for p in self.model_module.parameters()}
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
         self.capacity = cfg.hdp.capacity
         units = self.hdp

@@ -1,0 +1,58 @@
+"""The composition cells through the real entry point (``python -m bytescale.train``'s ``main`` in
+real processes with torchrun's environment: train_launch.py): each pipelined run equals the run
+without pipelines on the same global batches (loss and gradient norm every step, float32: 1e-5).
+
+R:   2 ranks, HDP 2, bytescale's tiny Llama (the reference of PF).
+PF:  4 ranks, PP 2 x HDP 2 with FSDP2 over each stage's HDP group (PP-Balance: uneven counts padded
+     to the stage's slots by the executor's schedule).
+MR:  2 ranks, HDP 2, the MoE preset (the reference of PE).
+PE:  4 ranks, PP 2 x HDP 2 with each stage's experts sharded over its EP group of 2.
+HR:  2 ranks, HDP 2, an HF Llama config.json (the reference of HP).
+HP:  4 ranks, PP 2 x HDP 2, the HF model's decoder layers split into stages (hf_pipeline_stage).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from train_launch import TINY_RUN, assert_same_steps, logged_run
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1800)]
+
+STEPS = 3
+COMMON = TINY_RUN + ["--steps", STEPS]
+
+
+def _run(d: Path, name: str, nproc: int, *extra) -> dict:
+    return logged_run(d, name, nproc, COMMON + [str(x) for x in extra])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    import transformers
+
+    d = tmp_path_factory.mktemp("compose")
+    transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             tie_word_embeddings=False).save_pretrained(d / "hf")
+    hf = ["--model", d / "hf" / "config.json"]
+    moe = ["--model", "mixtral-tiny"]
+    return {
+        "R": _run(d, "R", 2), "PF": _run(d, "PF", 4, "--pp", 2, "--fsdp", "--strategy", "pp-balance"),
+        "MR": _run(d, "MR", 2, *moe), "PE": _run(d, "PE", 4, *moe, "--pp", 2, "--ep", 2),
+        "HR": _run(d, "HR", 2, *hf), "HP": _run(d, "HP", 4, *hf, "--pp", 2),
+    }
+
+
+def test_pp_with_fsdp2_trains_like_plain_hdp(runs):
+    assert "4 ranks on cpu (pp 2 x hdp 2 x tp 1)" in runs["PF"]["out"]
+    assert_same_steps(runs["R"], runs["PF"], range(STEPS))
+
+
+def test_pp_with_expert_parallelism_trains_like_plain_hdp(runs):
+    assert_same_steps(runs["MR"], runs["PE"], range(STEPS))
+
+
+def test_an_hf_model_in_pipelines_trains_like_the_whole_model(runs):
+    assert_same_steps(runs["HR"], runs["HP"], range(STEPS))
