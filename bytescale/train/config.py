@@ -244,9 +244,6 @@ class TrainConfig:
         except ValueError as e:
             raise ConfigError(f"hdp: {str(e).replace('ParallelConfig: ', '')} (options --pp, --tp, --ep, --fsdp, "
                               "--sequence-parallel)") from None
-        if self.hdp.pp > 1 and self.hdp.strategy == "static":
-            raise ConfigError(f"hdp.pp={self.hdp.pp} (--pp) with hdp.strategy=static is not supported: pipelines "
-                              "plan under an HDP strategy (pp-balance, pp-lockstep, balanced, naive, pow2)")
         if self.hdp.offload and self.hdp.strategy == "static":
             raise ConfigError("hdp.offload (--offload) does not apply to hdp.strategy=static (the DP x CP "
                               "baseline does not offload)")

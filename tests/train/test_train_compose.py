@@ -9,6 +9,7 @@ MR:  2 ranks, HDP 2, the MoE preset (the reference of PE).
 PE:  4 ranks, PP 2 x HDP 2 with each stage's experts sharded over its EP group of 2.
 HR:  2 ranks, HDP 2, an HF Llama config.json (the reference of HP).
 HP:  4 ranks, PP 2 x HDP 2, the HF model's decoder layers split into stages (hf_pipeline_stage).
+PS:  4 ranks, PP 2 x HDP 2 under the static DP x CP baseline (PP-Balance's baseline through the trainer).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def runs(tmp_path_factory):
         "R": _run(d, "R", 2), "PF": _run(d, "PF", 4, "--pp", 2, "--fsdp", "--strategy", "pp-balance"),
         "MR": _run(d, "MR", 2, *moe), "PE": _run(d, "PE", 4, *moe, "--pp", 2, "--ep", 2),
         "HR": _run(d, "HR", 2, *hf), "HP": _run(d, "HP", 4, *hf, "--pp", 2),
+        "PS": _run(d, "PS", 4, "--pp", 2, "--strategy", "static"),
     }
 
 
@@ -56,3 +58,10 @@ def test_pp_with_expert_parallelism_trains_like_plain_hdp(runs):
 
 def test_an_hf_model_in_pipelines_trains_like_the_whole_model(runs):
     assert_same_steps(runs["HR"], runs["HP"], range(STEPS))
+
+
+def test_pp_under_the_static_baseline_trains_like_plain_hdp(runs):
+    m = runs["PS"]["metrics"]
+    assert all(r["plan"].startswith("plan[static]") and "pipelines of 2 stages" in r["plan"] for r in m), \
+        [r["plan"] for r in m]
+    assert_same_steps(runs["R"], runs["PS"], range(STEPS))
