@@ -20,7 +20,6 @@ __all__ = ["ParallelDims", "check_composition", "REFUSED"]
 # The one compatibility matrix: every pair of features that does not compose yet, and why.
 REFUSED: Dict[Tuple[str, str], str] = {
     ("ep", "fsdp"): "the experts are sharded over the EP group already",
-    ("pp", "sp"): "pipelines do not carry sequence-parallel activations between stages",
 }
 
 

@@ -186,6 +186,29 @@ def autocast_safe_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     return attention(q, k, v, **kw)
 
 
+def sequence_shard_rows(tokens: int, tp: int, index: int) -> int:
+    """Rows of ``tokens`` that TP rank ``index`` of ``tp`` holds under sequence parallelism (the
+    DTensor ``Shard(0)`` split: ceil(tokens / tp) each, the last ones fewer or none)."""
+    per = -(-tokens // tp) if tokens else 0
+    return max(0, min(tokens, per * (index + 1)) - per * index)
+
+
+def _sequence_shard(x: torch.Tensor, tp_mesh, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    """A received stage input (this TP rank's rows of the sequence) as the ``Shard(0)`` DTensor the
+    sequence-parallel layers take; the micro-batch's token count comes from ``position_ids``."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if position_ids is None:
+        raise ValueError("Llama: a sequence-parallel stage needs position_ids (the micro-batch's token count)")
+    tokens = int(position_ids.shape[0])
+    want = sequence_shard_rows(tokens, tp_mesh.size(), tp_mesh.get_local_rank())
+    if x.shape[0] != want:
+        raise ValueError(f"Llama: this TP rank holds {want} of the {tokens} tokens under sequence parallelism, "
+                         f"got hidden of {x.shape[0]} rows")
+    return DTensor.from_local(x, tp_mesh, [Shard(0)], run_check=False, shape=(tokens, x.shape[1]),
+                              stride=(x.shape[1], 1))
+
+
 class Llama(nn.Module):
     """Llama-style decoder over a packed micro-batch: ``forward(input_ids, position_ids, layout) -> logits``.
 
@@ -277,6 +300,8 @@ class Llama(nn.Module):
                 raise ValueError(f"Llama stage {self.stage} of {self.stages} takes hidden= (T, {self.cfg.dim}), the "
                                  f"previous stage's output; got {None if hidden is None else tuple(hidden.shape)}")
             x = hidden
+            if getattr(self, "sequence_parallel", False) and not hasattr(x, "placements"):
+                x = _sequence_shard(x, self.tp_mesh, position_ids)
         if position_ids is None:
             position_ids = torch.arange(x.shape[0], device=x.device)
         aux = None

@@ -125,9 +125,6 @@ def tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = False,
     def norm():
         return SequenceParallel(sequence_dim=0) if sp else ReplicateParallel()
 
-    if sp and model.stages > 1:
-        raise ValueError("sequence parallelism with pipeline stages is not supported: the activations "
-                         "crossing a stage boundary would be sequence-sharded DTensors")
     top = {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate(),
                                  use_local_output=not sp),
@@ -179,6 +176,9 @@ def tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = False,
             plan["mlp.w2"] = RowwiseParallel(output_layouts=seq if sp else Replicate(), use_local_output=not sp)
         parallelize_module(block, tp_mesh, plan)
     model.tp_mesh = tp_mesh
+    # with pipelines, the hidden states crossing a stage boundary are this rank's sequence shard
+    # (Llama.forward wraps a received one back into a DTensor; the stage I/O sends the local part)
+    model.sequence_parallel = sp
     model.loss_parallel = bool(loss_parallel) and model.lm_head is not None
     return model
 
@@ -211,5 +211,8 @@ def hf_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
         raise ValueError(f"tensor parallelism: {type(model).__name__} has no transformers TP plan")
     apply_tensor_parallelism(model, tp_mesh, plan)
     model.tp_mesh = tp_mesh
+    # with pipelines, the hidden states crossing a stage boundary are this rank's sequence shard
+    # (Llama.forward wraps a received one back into a DTensor; the stage I/O sends the local part)
+    model.sequence_parallel = sp
     model.loss_parallel = False
     return model

@@ -202,6 +202,8 @@ class StepExecutor:
                 held = _Held(inp, loss if aux is None else loss + aux, None, float(loss.detach()),
                              0.0 if aux is None else float(aux.detach()), layout)
         if not self.io.last:
+            if hasattr(out, "to_local"):  # sequence parallelism: this TP rank's rows cross the boundary
+                out = out.to_local()
             self.io.send_forward(out)
             grad_aux = aux if aux is not None and aux.requires_grad else None
             held = _Held(inp, out, grad_aux, 0.0, 0.0 if aux is None else float(aux.detach()), layout)

@@ -92,6 +92,8 @@ class PipelineStage:
         p = next(module.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.hidden_size = int(module.hidden_size)
+        # sequence parallelism: a stage's hidden states are this TP rank's rows of the sequence
+        self.sp = (mesh.coords()["tp"], mesh.tp) if getattr(module, "sequence_parallel", False) else None
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
         self._sends: List[Any] = []
         self.waited = 0.0
@@ -101,6 +103,8 @@ class PipelineStage:
         return self.mesh.grid[stage][c["hdp"]][c["tp"]]
 
     def _send(self, t: torch.Tensor, channel: Tuple[str, int], stage: int) -> None:
+        if hasattr(t, "to_local"):  # a sequence-parallel stage's output: this TP rank's rows
+            t = t.to_local()
         if t.numel() == 0:  # a padding entry: both ends know from the plan that nothing crosses
             return
         t = t.detach().to(self.dtype).contiguous()
@@ -124,7 +128,12 @@ class PipelineStage:
         """The previous stage's output for this micro-batch (a leaf needing grad); None on the first."""
         if self.first:
             return None
-        return self._recv((shape[0], self.hidden_size), ("fwd", self.stage - 1), self.stage - 1, where,
+        rows = shape[0]
+        if self.sp is not None:
+            from ..models.llama import sequence_shard_rows
+
+            rows = sequence_shard_rows(rows, self.sp[1], self.sp[0])
+        return self._recv((rows, self.hidden_size), ("fwd", self.stage - 1), self.stage - 1, where,
                           "activations").requires_grad_(True)
 
     def send_forward(self, out: torch.Tensor) -> None:

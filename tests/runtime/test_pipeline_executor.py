@@ -51,6 +51,7 @@ class Case:
     moe: bool = False
     fsdp: bool = False  # FSDP2 over each stage's HDP group (padded 1F1B slots)
     ep: int = 1         # experts sharded over blocks of ep pipelines per stage (padded 1F1B slots)
+    sp: bool = False    # sequence parallelism inside TP: each TP rank sends its rows of the sequence
 
 
 def _dataset(case: Case):
@@ -94,7 +95,7 @@ def _stage_setup(case: Case):
         expert_parallel(net, mesh)
     net.pipeline_stage(mesh.stage, mesh.pp)
     if case.tp > 1:
-        tensor_parallel(net, mesh["tp"])
+        tensor_parallel(net, mesh["tp"], sequence_parallel=case.sp)
     if case.fsdp:
         from torch.distributed.fsdp import fully_shard
 
@@ -202,6 +203,11 @@ def test_pp2_hdp2_with_expert_parallelism_matches_single_process():
     _padded(_check(case), case, "slots padded over blocks of 2 HDP units")
 
 
+def test_pp2_tp2_with_sequence_parallelism_matches_single_process():
+    # the stage boundary carries each TP rank's rows of the sequence (uneven: T not divisible by 2)
+    _check(Case(pp=2, hdp=1, tp=2, sp=True, strategy="balanced", capacity=600, steps=2))
+
+
 def test_pp3_hdp1_three_stages_match_single_process():
     _check(Case(pp=3, hdp=1, n_layers=3, strategy="balanced", capacity=600))
 
@@ -238,19 +244,6 @@ def test_a_plan_for_another_depth_raises_on_every_stage():
     for (kind, msg, _), (kind2, msg2, _) in run_distributed(_wrong_depth_worker, 2, timeout=180):
         assert kind == "ValueError" and "PlannerConfig(pp=3) contradicts the mesh's pp=2" in msg, msg
         assert kind2 == "ValueError" and "3" in msg2 and "2" in msg2 and "1F1B" in msg2, msg2
-
-
-def test_what_pipelines_do_not_compose_with_is_refused_like_the_trainer_does():
-    """Pipelines with sequence parallelism are refused by the one matrix (bytescale/parallel_dims.py),
-    in the same words for the library's ParallelDims / ParallelConfig and the trainer's options;
-    pipelines with FSDP2 or EP are not (tested above)."""
-    from bytescale.config import ParallelConfig
-    from bytescale.parallel_dims import ParallelDims
-
-    for make in (lambda: ParallelConfig(pp=2, tp=2, sequence_parallel=True), lambda: ParallelDims(8, pp=2, tp=2, sp=True)):
-        with pytest.raises(ValueError, match=r"pp=2 with sequence parallelism \(sp\) is not supported"):
-            make()
-    assert ParallelDims(8, pp=2, ep=2).hdp == ParallelDims(8, pp=2, fsdp=True).hdp == 4
 
 
 def test_a_layer_count_the_stages_do_not_divide_raises():

@@ -10,6 +10,8 @@ PE:  4 ranks, PP 2 x HDP 2 with each stage's experts sharded over its EP group o
 HR:  2 ranks, HDP 2, an HF Llama config.json (the reference of HP).
 HP:  4 ranks, PP 2 x HDP 2, the HF model's decoder layers split into stages (hf_pipeline_stage).
 PS:  4 ranks, PP 2 x HDP 2 under the static DP x CP baseline (PP-Balance's baseline through the trainer).
+R1:  1 rank (the reference of PT: one HDP unit, so documents are cut at the same length).
+PT:  4 ranks, PP 2 x TP 2 with sequence parallelism (each TP rank sends its rows of the sequence).
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ def runs(tmp_path_factory):
         "MR": _run(d, "MR", 2, *moe), "PE": _run(d, "PE", 4, *moe, "--pp", 2, "--ep", 2),
         "HR": _run(d, "HR", 2, *hf), "HP": _run(d, "HP", 4, *hf, "--pp", 2),
         "PS": _run(d, "PS", 4, "--pp", 2, "--strategy", "static"),
+        "R1": _run(d, "R1", 1), "PT": _run(d, "PT", 4, "--pp", 2, "--tp", 2, "--sequence-parallel"),
     }
 
 
@@ -65,3 +68,8 @@ def test_pp_under_the_static_baseline_trains_like_plain_hdp(runs):
     assert all(r["plan"].startswith("plan[static]") and "pipelines of 2 stages" in r["plan"] for r in m), \
         [r["plan"] for r in m]
     assert_same_steps(runs["R"], runs["PS"], range(STEPS))
+
+
+def test_pp_with_tp_and_sequence_parallelism_trains_like_plain_hdp(runs):
+    assert "4 ranks on cpu (pp 2 x hdp 1 x tp 2)" in runs["PT"]["out"]
+    assert_same_steps(runs["R1"], runs["PT"], range(STEPS))
