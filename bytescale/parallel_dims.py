@@ -7,7 +7,8 @@ and combinations here, so a combination refused by one is refused by all, with t
 
 Layout: ``pp x hdp x tp`` with TP innermost; global rank ``(p * hdp + h) * tp + t`` is TP index ``t``
 of HDP unit ``h`` of pipeline stage ``p`` (``hdp = world / (pp x tp)``). Expert parallelism groups
-``ep`` consecutive HDP units of a stage; FSDP2 shards over the HDP dimension; sequence parallelism
+``ep`` consecutive HDP units of a stage; FSDP2 shards over the HDP dimension (the dense parameters
+only, under expert parallelism); sequence parallelism
 (``sp``) splits the norms' tokens over the TP ranks.
 """
 from __future__ import annotations
@@ -19,7 +20,6 @@ __all__ = ["ParallelDims", "check_composition", "REFUSED"]
 
 # The one compatibility matrix: every pair of features that does not compose yet, and why.
 REFUSED: Dict[Tuple[str, str], str] = {
-    ("ep", "fsdp"): "the experts are sharded over the EP group already",
     ("pp", "fsdp"): "pipelines run replicated stages (FSDP2 inside a stage is not wired)",
     ("pp", "ep"): "pipelines run the package's Llama stages without expert parallelism",
     ("pp", "sp"): "pipelines do not carry sequence-parallel activations between stages",
