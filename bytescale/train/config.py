@@ -127,6 +127,7 @@ def loader_config(cfg: "TrainConfig") -> LoaderConfig:
     d = cfg.data
     return LoaderConfig(d.tokens_per_batch, seed=d.seed, max_steps=cfg.train.stop_after or cfg.train.steps,
                         prefetch=d.prefetch, oversize=d.oversize, lockstep=cfg.hdp.fsdp or cfg.hdp.ep > 1,
+                        # FSDP2 (with EP too): the world's slots; EP alone: its groups' own
                         lockstep_group=0 if cfg.hdp.fsdp else (cfg.hdp.ep if cfg.hdp.ep > 1 else 0))
 
 
