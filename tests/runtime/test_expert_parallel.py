@@ -171,21 +171,27 @@ def _run_fsdp_step(model, step) -> float:
     """One step of an FSDP2-wrapped model, each micro-batch in the step's order (as
     :class:`bytescale.runtime.StepExecutor` runs it: token-level loss + MoE balance loss); returns
     this rank's token-level loss."""
+    import contextlib
+
+    from torch.distributed.tensor.parallel import loss_parallel
+
     from bytescale.runtime import token_level_loss
 
+    tp = getattr(model.module, "loss_parallel", False)  # a tensor-parallel model: vocabulary-parallel loss
     mbs, loss = step.micro_batches, 0.0
     for i, mb in enumerate(mbs):
-        with model.micro_batch(mb, last=i == len(mbs) - 1):
+        with model.micro_batch(mb, last=i == len(mbs) - 1), (loss_parallel() if tp else contextlib.nullcontext()):
             logits, aux = model(mb.input_ids, mb.position_ids, layout=mb.layout,
                                 global_tokens=step.global_tokens, return_aux=True)
             mine = token_level_loss(logits, mb.labels, step.global_loss_tokens)
+            mine = mine.to_local() if tp else mine
             (mine + aux).backward()
             loss += float(mine.detach())
     model.finish_step()
     return loss
 
 
-def _ep_fsdp_worker(rank, world, cfg_dict, ep, capacity):
+def _ep_fsdp_worker(rank, world, cfg_dict, ep, capacity, tp):
     import bytescale
     from torch.distributed.fsdp import fully_shard
 
@@ -195,12 +201,16 @@ def _ep_fsdp_worker(rank, world, cfg_dict, ep, capacity):
     from bytescale.runtime.grad import grad_norm
 
     cfg = LlamaConfig(**cfg_dict)
-    mesh = bytescale.init_mesh(ep=ep)
+    mesh = bytescale.init_mesh(ep=ep, tp=tp)
     # FSDP2 over the experts too: refused with the fix named, before any step
     bad = expert_parallel(_model(cfg), mesh)
     fully_shard(bad, mesh=mesh["hdp"])
     refused = capture_error(lambda: HybridDataParallel(bad))
     net = expert_parallel(_model(cfg), mesh)
+    if tp > 1:
+        from bytescale.models.parallel import tensor_parallel
+
+        tensor_parallel(net, mesh["tp"])
     experts = set(expert_param_groups(net))
     for block in net.layers.values():
         fully_shard(block, mesh=mesh["hdp"], ignored_params=experts)
@@ -223,18 +233,20 @@ def _ep_fsdp_worker(rank, world, cfg_dict, ep, capacity):
     finally:
         loader.close()
     full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in net.named_parameters()}
-    return {"params": full, "stats": stats, "layout": layout, "refused": refused, "hdp": mesh.coords()["hdp"]}
+    coords = mesh.coords()
+    return {"params": full, "stats": stats, "layout": layout, "refused": refused, "hdp": coords["hdp"],
+            "tp": coords["tp"]}
 
 
-@pytest.mark.parametrize("world", [4, 2])
-def test_ep2_with_fsdp2_matches_single_process_float64(world):
-    """EP 2 x FSDP2 over HDP 4 (expert-data-parallel groups of 2) and HDP 2 (of 1): the dense
-    parameters FSDP2-sharded and reduce-scattered over the HDP dimension, the experts EP-sharded
-    and summed over their EDP group; every step's loss and every parameter equal single-process
-    float64 training on the same global batches."""
-    capacity = CAPACITY if world == 4 else 160  # HDP 2: rings of 2 hold the longest document
-    ref, ref_losses, batches = _reference(MOE, world, capacity)
-    res = run_distributed(_ep_fsdp_worker, world, dataclasses.asdict(MOE), 2, capacity, timeout=300)
+@pytest.mark.parametrize("world, tp", [(4, 1), (2, 1), (4, 2)], ids=["hdp4", "hdp2", "hdp2-tp2"])
+def test_ep2_with_fsdp2_matches_single_process_float64(world, tp):
+    """EP 2 x FSDP2 over HDP 4 (expert-data-parallel groups of 2), HDP 2 (of 1) and HDP 2 x TP 2:
+    the dense parameters FSDP2-sharded and reduce-scattered over the HDP dimension (TP inside),
+    the experts EP-sharded (TP-sharded inside) and summed over their EDP group; every step's loss
+    and every parameter equal single-process float64 training on the same global batches."""
+    capacity = CAPACITY if world // tp == 4 else 160  # HDP 2: rings of 2 hold the longest document
+    ref, ref_losses, batches = _reference(MOE, world // tp, capacity)
+    res = run_distributed(_ep_fsdp_worker, world, dataclasses.asdict(MOE), 2, capacity, tp, timeout=300)
     per = MOE.n_experts // 2
     for rank, r in enumerate(res):
         kind, msg, _ = r["refused"]
@@ -242,15 +254,19 @@ def test_ep2_with_fsdp2_matches_single_process_float64(world):
         assert [s["ids"] for s in r["stats"]] == batches
         mine = {int(n.split(".")[4]) for n in r["params"] if ".experts." in n}
         assert mine == set(range(r["hdp"] % 2 * per, (r["hdp"] % 2 + 1) * per))
-        # the experts are plain tensors (this rank's own), everything else an FSDP2 shard
-        assert all((kind == "Parameter") == (".experts." in n) for n, kind in r["layout"].items()), r["layout"]
+        # the experts are this rank's own (plain, or TP's DTensors on the "tp" mesh), the rest FSDP2 shards
+        assert all((kind == "Parameter") == (".experts." in n) for n, kind in r["layout"].items()
+                   if tp == 1), r["layout"]
         for name, p in r["params"].items():
             torch.testing.assert_close(p, ref[name], rtol=1e-9, atol=1e-11, msg=lambda m: f"rank {rank} {name}: {m}")
     for k in range(STEPS):
-        assert sum(r["stats"][k]["loss"] for r in res) == pytest.approx(ref_losses[k], rel=1e-10)
+        loss = sum(r["stats"][k]["loss"] for r in res if r["tp"] == 0)  # a unit's loss once
+        assert loss == pytest.approx(ref_losses[k], rel=1e-10)
         assert len({round(r["stats"][k]["norm"], 12) for r in res}) == 1  # the global norm on every rank
         assert len({r["stats"][k]["slots"] for r in res}) == 1  # FSDP2: every rank every slot
     real = [[r["stats"][k]["real"] for r in res] for k in range(STEPS)]
+    if tp > 1:
+        return
     assert any(len(set(row)) > 1 for row in real), f"no step with uneven micro-batch counts: {real}"
     if world == 4:
         assert any(0 in row for row in real), f"no step left a rank without a micro-batch: {real}"
