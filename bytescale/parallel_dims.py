@@ -7,7 +7,8 @@ and combinations here, so a combination refused by one is refused by all, with t
 
 Layout: ``pp x hdp x tp`` with TP innermost; global rank ``(p * hdp + h) * tp + t`` is TP index ``t``
 of HDP unit ``h`` of pipeline stage ``p`` (``hdp = world / (pp x tp)``). Expert parallelism groups
-``ep`` consecutive HDP units of a stage; FSDP2 shards over the HDP dimension; sequence parallelism
+``ep`` consecutive HDP units of a stage; FSDP2 shards over the HDP dimension (the dense parameters
+only, under expert parallelism); sequence parallelism
 (``sp``) splits the norms' tokens over the TP ranks.
 """
 from __future__ import annotations
@@ -17,10 +18,10 @@ from typing import Dict, Tuple
 
 __all__ = ["ParallelDims", "check_composition", "REFUSED"]
 
-# The one compatibility matrix: every pair of features that does not compose yet, and why.
-REFUSED: Dict[Tuple[str, str], str] = {
-    ("ep", "fsdp"): "the experts are sharded over the EP group already",
-}
+# The one compatibility matrix: every pair of features that does not compose yet, and why. Empty
+# today: pp, tp, ep, fsdp and sp all compose (tests/train/test_train_compose.py and the README's
+# composition table); a pair added here is refused by init_mesh, ParallelConfig and the trainer alike.
+REFUSED: Dict[Tuple[str, str], str] = {}
 
 
 def _size(name: str, value: object) -> int:

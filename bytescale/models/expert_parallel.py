@@ -11,7 +11,7 @@ another (DCP reads each rank's experts by name).
 Each MoE layer records its expert-data-parallel group (``moe.edp_group``;
 :func:`expert_param_groups` lists the parameters): :class:`bytescale.HybridDataParallel` sums the
 kept experts' gradients over that group (the ranks holding the same experts) instead of the HDP pool; dense parameters (the
-router included) keep the HDP pool. With the token-level loss the result equals single-process
+router included) keep the HDP pool, or FSDP2 over the HDP dimension (EP x FSDP2). With the token-level loss the result equals single-process
 training on the global batch.
 
 The all-to-alls need every rank of an EP group to run the same number of micro-batches in an
@@ -69,8 +69,9 @@ def check_expert_parallel(n_experts: int, ep: int, what: str = "the model") -> N
 def expert_parallel(model: nn.Module, mesh=None, ep_group: Optional[dist.ProcessGroup] = None,
                     edp_group: Optional[dist.ProcessGroup] = None) -> nn.Module:
     """Shard the experts of the package's MoE Llama over the expert-parallel group (module
-    docstring) in place; returns the model. Apply before :func:`tensor_parallel`, FSDP2 is not
-    supported with it.
+    docstring) in place; returns the model. Apply before :func:`tensor_parallel` and FSDP2's
+    ``fully_shard``, which must leave the experts out (``ignored_params=set(expert_param_groups(model))``:
+    FSDP2 shards the dense parameters, :class:`bytescale.HybridDataParallel` sums the experts).
 
     ``mesh``: the job's :class:`bytescale.Mesh` (default: the current one), or give ``ep_group``
     and ``edp_group`` directly. Raises ValueError when the EP degree does not divide the experts.

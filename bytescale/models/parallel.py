@@ -211,8 +211,5 @@ def hf_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
         raise ValueError(f"tensor parallelism: {type(model).__name__} has no transformers TP plan")
     apply_tensor_parallelism(model, tp_mesh, plan)
     model.tp_mesh = tp_mesh
-    # with pipelines, the hidden states crossing a stage boundary are this rank's sequence shard
-    # (Llama.forward wraps a received one back into a DTensor; the stage I/O sends the local part)
-    model.sequence_parallel = sp
     model.loss_parallel = False
     return model

@@ -27,7 +27,12 @@ Sharded parameters (FSDP2): wrap a model already passed through ``fully_shard``.
 gradient reduce-scatter (as a SUM: the wrapper sets the gradient divide factor to 1) and gradient
 sync is enabled on the last micro-batch only. FSDP2 all-gathers parameters in every forward, which
 every rank must join, so every rank must run the SAME number of micro-batches: the step executor
-runs a lockstep schedule for it (ranks with fewer run empty micro-batches, zero tokens).
+runs a lockstep schedule for it (ranks with fewer run empty micro-batches, zero tokens). With
+expert parallelism too (EP x FSDP2), ``fully_shard`` leaves the experts out
+(``ignored_params=set(expert_param_groups(model))``, on every ``fully_shard`` call): FSDP2 shards and
+reduce-scatters the dense parameters over its mesh, and the experts' gradients are summed over their
+expert-data-parallel group in this wrapper's buckets, as without FSDP2. The world lockstep slots
+also satisfy the EP all-to-alls (every rank runs every slot).
 
 Usage::
 
@@ -94,6 +99,18 @@ def _set_grad(p: nn.Parameter, g: torch.Tensor) -> None:
         p.grad = g.clone()
 
 
+def _check_experts_unsharded(module: nn.Module, experts) -> None:
+    """EP x FSDP2: the experts must be left out of ``fully_shard`` (their own group sums them)."""
+    sharded = [n for n, p in module.named_parameters() if p in experts and hasattr(p, "placements")
+               and any(getattr(pl, "is_shard", lambda: False)() for pl in p.placements)
+               and p.device_mesh.mesh_dim_names != ("tp",)]
+    if sharded:
+        raise ValueError(f"HybridDataParallel: FSDP2 sharded the expert-parallel parameter {sharded[0]} (and "
+                         f"{len(sharded) - 1} more); pass ignored_params=set(expert_param_groups(model)) to "
+                         "every fully_shard call, so that the experts' gradients are summed over their "
+                         "expert-data-parallel group")
+
+
 @dataclass
 class _Bucket:
     params: List[nn.Parameter]
@@ -137,24 +154,25 @@ class HybridDataParallel(nn.Module):
 
         self._expert_groups = expert_param_groups(module)
         if self.fsdp:
-            if self._expert_groups:
-                raise ValueError("HybridDataParallel: FSDP2 with expert parallelism is not supported (the experts "
-                                 "are sharded over the EP group already); use replicated dense parameters")
             if process_group is not None:
                 raise ValueError("HybridDataParallel: with FSDP2 the sharding mesh is the process group; "
                                  "do not pass process_group")
+            _check_experts_unsharded(module, self._expert_groups)
             # token-level loss: sum, do not average (set on every FSDP module: it is per module)
             for m in module.modules():
                 if hasattr(m, "set_gradient_divide_factor"):
                     m.set_gradient_divide_factor(1.0)
-            self._buckets = []
-            return
-        params = [p for p in module.parameters() if p.requires_grad]
-        if not params:
+            # EP x FSDP2: FSDP2 left the experts out; they are this wrapper's (summed over the EDP group)
+            params = [p for p in module.parameters() if p.requires_grad and p in self._expert_groups]
+            bcast = params
+        else:
+            params = [p for p in module.parameters() if p.requires_grad]
+            bcast = list(module.parameters()) + list(module.buffers())
+        if not params and not self.fsdp:
             raise ValueError("HybridDataParallel: the module has no trainable parameters")
         if config.broadcast_parameters:
             with torch.no_grad():
-                for t in list(module.parameters()) + list(module.buffers()):
+                for t in bcast:
                     g = self._group_of(t)
                     dist.broadcast(_local(t.data), src=self._global_src(g), group=g)
         # DDP-style buckets in reverse registration order (roughly the order grads become ready).
@@ -269,7 +287,7 @@ class HybridDataParallel(nn.Module):
             b.ready, b.work, b.launched, b.buffer = 0, None, False, None
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self._sync or self.fsdp:
+        if not self._sync:
             return
         b = self._buckets[self._bucket_of[p]]
         b.ready += 1
@@ -299,12 +317,9 @@ class HybridDataParallel(nn.Module):
 
     def finish_step(self) -> None:
         """Finish the step's gradient synchronisation (call once per step on every rank)."""
-        if self.fsdp:
-            if not self._in_step:
-                raise RuntimeError("HybridDataParallel (FSDP2): this rank ran no micro-batch; run the "
-                                   "step through bytescale.StepExecutor (its lockstep schedule)")
-            self._in_step = False
-            return
+        if self.fsdp and not self._in_step:
+            raise RuntimeError("HybridDataParallel (FSDP2): this rank ran no micro-batch; run the "
+                               "step through bytescale.StepExecutor (its lockstep schedule)")
         if not self._in_step:
             self._start_step()  # a rank with no micro-batch this step
         self._launch_ready(force=True)

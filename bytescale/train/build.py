@@ -9,8 +9,10 @@ Parallelisation, in TorchTitan's order: this rank's pipeline stage (``--pp``: by
 ``Llama.pipeline_stage``, or :func:`bytescale.models.hf_pipeline_stage` for an HF model), tensor
 parallelism inside each HDP unit (the mesh's "tp" dimension:
 :func:`bytescale.models.parallel.tensor_parallel` for bytescale's Llama, the model's own
-transformers plan for HF models; not inside an HF pipeline stage yet), activation checkpointing per block, ``torch.compile`` per block,
-FSDP2 ``fully_shard`` per block then the root over the mesh's "hdp" dimension, and finally
+transformers plan for HF models; not inside an HF pipeline stage yet), activation checkpointing per
+block, ``torch.compile`` per block, FSDP2 ``fully_shard`` per block then the root over the mesh's
+"hdp" dimension (expert-parallel experts, sharded first by
+:func:`bytescale.models.expert_parallel.expert_parallel`, left out of it), and finally
 :class:`bytescale.HybridDataParallel` (replicated parameters: gradients summed once a step over the
 ranks of the same TP index; FSDP2: the wrapper makes its reduce-scatter a sum and syncs on the last
 micro-batch).
@@ -321,9 +323,15 @@ def parallelize(model: nn.Module, info: ModelInfo, cfg: TrainConfig, device: tor
     if cfg.hdp.fsdp:
         from torch.distributed.fsdp import fully_shard
 
+        from ..models.expert_parallel import expert_param_groups
+
+        # EP x FSDP2: the experts stay out of FSDP2 (already sharded over the EP group; their
+        # gradients are summed over the EDP group by HybridDataParallel), the dense parameters are
+        # sharded over "hdp"
+        ignored = set(expert_param_groups(model)) or None
         for b in blocks(model, info):
-            fully_shard(b, mesh=mesh["hdp"])
-        fully_shard(model, mesh=mesh["hdp"])
+            fully_shard(b, mesh=mesh["hdp"], ignored_params=ignored)
+        fully_shard(model, mesh=mesh["hdp"], ignored_params=ignored)
         return HybridDataParallel(model, config=rt), rt
     group = mesh.group("hdp") if mesh.tp > 1 or mesh.pp > 1 else None  # the stage's HDP pool
     return HybridDataParallel(model, process_group=group, config=rt), rt

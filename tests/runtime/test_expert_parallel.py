@@ -46,11 +46,11 @@ def _loader_config(**kw) -> LoaderConfig:
     return LoaderConfig(TOKENS_PER_BATCH, seed=15, max_steps=STEPS, **kw)
 
 
-def _reference(cfg: LlamaConfig):
+def _reference(cfg: LlamaConfig, world: int = WORLD, capacity: int = CAPACITY):
     """One process, whole documents, the same global batches: parameters by name, losses."""
     ds = _dataset()
-    loader = HDPLoader(ds, PlannerConfig(CAPACITY), _loader_config(check_plan=False, prefetch=False),
-                       rank=0, world_size=WORLD)
+    loader = HDPLoader(ds, PlannerConfig(capacity), _loader_config(check_plan=False, prefetch=False),
+                       rank=0, world_size=world)
     model = _model(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses, batches = train_on_whole_documents(ds, loader, model, opt)
@@ -163,6 +163,94 @@ def test_a_step_that_is_not_the_plans_is_refused_on_every_rank_not_hung():
     assert sum("another rank cannot run its schedule" not in e for e in errors) == 1, errors
     assert any("micro-batches" in e and "another rank" not in e for e in errors), errors
     assert sum("another rank cannot run its schedule" in e for e in errors) == WORLD - 1, errors
+
+
+# -- EP x FSDP2: dense parameters FSDP2-sharded over the HDP dimension, experts over the EP group ------
+
+def _ep_fsdp_worker(rank, world, cfg_dict, ep, capacity, tp):
+    import bytescale
+    from torch.distributed.fsdp import fully_shard
+
+    from bytescale import HybridDataParallel
+    from bytescale.models import expert_parallel
+    from bytescale.models.expert_parallel import expert_norm_groups, expert_param_groups
+    from bytescale.runtime import StepExecutor, build_schedule
+    from bytescale.runtime.grad import grad_norm
+
+    cfg = LlamaConfig(**cfg_dict)
+    mesh = bytescale.init_mesh(ep=ep, tp=tp)
+    # FSDP2 over the experts too: refused with the fix named, before any step
+    bad = expert_parallel(_model(cfg), mesh)
+    fully_shard(bad, mesh=mesh["hdp"])
+    refused = capture_error(lambda: HybridDataParallel(bad))
+    net = expert_parallel(_model(cfg), mesh)
+    if tp > 1:
+        from bytescale.models.parallel import tensor_parallel
+
+        tensor_parallel(net, mesh["tp"])
+    experts = set(expert_param_groups(net))
+    for block in net.layers.values():
+        fully_shard(block, mesh=mesh["hdp"], ignored_params=experts)
+    fully_shard(net, mesh=mesh["hdp"], ignored_params=experts)
+    model = HybridDataParallel(net, config=RuntimeConfig(bucket_cap_mb=0.01))
+    layout = {n: type(p).__name__ for n, p in net.named_parameters()}
+    loader = HDPLoader(_dataset(), PlannerConfig(capacity), _loader_config())
+    # FSDP2 (all-gathers in every forward): the world's lockstep slots, which hold the all-to-alls too
+    executor = StepExecutor(model, mesh=mesh)
+    assert executor.kind.describe() == "lockstep over all HDP units"
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    stats = []
+    try:
+        for step in loader:
+            loss = executor.run(step).loss
+            norm = float(grad_norm(model.parameters(), expert_norm_groups(net)))
+            opt.step()
+            opt.zero_grad()
+            mbs = build_schedule(step.plan, rank, executor.kind).entries  # what the executor ran
+            stats.append({"ids": list(step.sample_ids), "loss": loss, "slots": len(mbs), "norm": norm,
+                          "real": sum(1 for m in mbs if not m.is_empty),
+                          "rings": [len(m.ring) for m in mbs]})
+    finally:
+        loader.close()
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in net.named_parameters()}
+    coords = mesh.coords()
+    return {"params": full, "stats": stats, "layout": layout, "refused": refused, "hdp": coords["hdp"],
+            "tp": coords["tp"]}
+
+
+@pytest.mark.parametrize("world, tp", [(4, 1), (2, 1), (4, 2)], ids=["hdp4", "hdp2", "hdp2-tp2"])
+def test_ep2_with_fsdp2_matches_single_process_float64(world, tp):
+    """EP 2 x FSDP2 over HDP 4 (expert-data-parallel groups of 2), HDP 2 (of 1) and HDP 2 x TP 2:
+    the dense parameters FSDP2-sharded and reduce-scattered over the HDP dimension (TP inside),
+    the experts EP-sharded (TP-sharded inside) and summed over their EDP group; every step's loss
+    and every parameter equal single-process float64 training on the same global batches."""
+    capacity = CAPACITY if world // tp == 4 else 160  # HDP 2: rings of 2 hold the longest document
+    ref, ref_losses, batches = _reference(MOE, world // tp, capacity)
+    res = run_distributed(_ep_fsdp_worker, world, dataclasses.asdict(MOE), 2, capacity, tp, timeout=300)
+    per = MOE.n_experts // 2
+    for rank, r in enumerate(res):
+        kind, msg, _ = r["refused"]
+        assert kind == "ValueError" and "ignored_params" in msg and "experts" in msg, msg
+        assert [s["ids"] for s in r["stats"]] == batches
+        mine = {int(n.split(".")[4]) for n in r["params"] if ".experts." in n}
+        assert mine == set(range(r["hdp"] % 2 * per, (r["hdp"] % 2 + 1) * per))
+        # the experts are this rank's own (plain, or TP's DTensors on the "tp" mesh), the rest FSDP2 shards
+        assert all((kind == "Parameter") == (".experts." in n) for n, kind in r["layout"].items()
+                   if tp == 1), r["layout"]
+        for name, p in r["params"].items():
+            torch.testing.assert_close(p, ref[name], rtol=1e-9, atol=1e-11, msg=lambda m: f"rank {rank} {name}: {m}")
+    for k in range(STEPS):
+        loss = sum(r["stats"][k]["loss"] for r in res if r["tp"] == 0)  # a unit's loss once
+        assert loss == pytest.approx(ref_losses[k], rel=1e-10)
+        assert len({round(r["stats"][k]["norm"], 12) for r in res}) == 1  # the global norm on every rank
+        assert len({r["stats"][k]["slots"] for r in res}) == 1  # FSDP2: every rank every slot
+    real = [[r["stats"][k]["real"] for r in res] for k in range(STEPS)]
+    if tp > 1:
+        return
+    assert any(len(set(row)) > 1 for row in real), f"no step with uneven micro-batch counts: {real}"
+    if world == 4:
+        assert any(0 in row for row in real), f"no step left a rank without a micro-batch: {real}"
+        assert {2, 3} <= {n for r in res for s in r["stats"] for n in s["rings"]}
 
 
 def _bad_mesh(rank, world, ep):

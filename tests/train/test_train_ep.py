@@ -5,7 +5,9 @@ R: 4 ranks, experts replicated (EP 1), 4 steps (the reference run).
 A: 4 ranks, EP 4 (one expert per rank), 4 steps, a checkpoint every 2 steps.
 B: 4 ranks, EP 2, resumed from A's step 2 (DCP reads each rank's two experts, and their optimizer
    state, by name from the EP 4 checkpoint) to the end.
-Every step of A and B sees R's global batch and R's loss and gradient norm (float32: 1e-5).
+F: 4 ranks, EP 2 x FSDP2 (dense parameters sharded over the HDP ranks), 4 steps, a checkpoint at
+   step 2; G: 2 ranks, EP 2 x FSDP2, resumed from it.
+Every step of A, B and F sees R's global batch and R's loss and gradient norm (float32: 1e-5).
 """
 from __future__ import annotations
 
@@ -57,8 +59,21 @@ def test_resume_ep4_to_ep2_gives_the_uninterrupted_losses(runs):
     assert "ep 4; now 4, hdp 4 x tp 1, ep 2" in runs["B"]["out"]
 
 
-def test_ep_with_a_dense_model_or_fsdp_is_a_clear_error(tmp_path):
+@pytest.mark.nccl_order
+def test_ep2_with_fsdp2_trains_like_replicated_experts(runs, tmp_path, module_execution_model):
+    """``--ep 2 --fsdp``: the dense parameters FSDP2-sharded over the 4 HDP ranks, the experts over
+    EP groups of 2 (summed over their EDP group); every rank runs the world's lockstep slots. Its
+    step-2 checkpoint resumes on 2 ranks (EP 2 x FSDP2 over HDP 2) to R's losses (in Gloo order
+    only: the checkpoint does not depend on the execution order)."""
+    out = _run(tmp_path, "F", 4, "--ep", "2", "--fsdp", "--checkpoint-dir", tmp_path / "ckF", "--save-every", "2")
+    assert "| EP 2 |" in out["out"] and "FSDP2" in out["out"]
+    assert_same_steps(runs["R"], out, range(STEPS))
+    if not module_execution_model:
+        res = _run(tmp_path, "G", 2, "--ep", "2", "--fsdp", "--checkpoint-dir", tmp_path / "ckG",
+                   "--resume-from", tmp_path / "ckF" / "step-00000002")
+        assert_same_steps(runs["R"], res, range(2, STEPS))
+
+
+def test_ep_with_a_dense_model_is_a_clear_error(tmp_path):
     res = launch(2, COMMON[:-4] + ["--model", "tiny", "--vocab-size", "64", "--ep", "2"], timeout=240)
     assert res.returncode != 0 and "needs a mixture-of-experts model" in res.stdout + res.stderr
-    res = launch(0, COMMON + ["--ep", "2", "--fsdp"], timeout=240)
-    assert res.returncode != 0 and "--fsdp" in res.stdout + res.stderr
