@@ -99,10 +99,13 @@ def _stage_setup(case: Case):
     if case.fsdp:
         from torch.distributed.fsdp import fully_shard
 
+        from bytescale.models.expert_parallel import expert_param_groups
+
+        experts = set(expert_param_groups(net))  # EP x FSDP2: experts stay EP-sharded, out of FSDP2
         for layer in net.layers.values():
-            fully_shard(layer, mesh=mesh["hdp"])
-        fully_shard(net, mesh=mesh["hdp"])
-        model = HybridDataParallel(net)
+            fully_shard(layer, mesh=mesh["hdp"], ignored_params=experts)
+        fully_shard(net, mesh=mesh["hdp"], ignored_params=experts)
+        model = HybridDataParallel(net, config=RuntimeConfig(bucket_cap_mb=0.01))
     else:
         model = HybridDataParallel(net, process_group=mesh.group("hdp"), config=RuntimeConfig(bucket_cap_mb=0.01))
     # the depth comes from the mesh (a loader on a mesh plans for its dims)
@@ -181,7 +184,7 @@ def test_pp2_hdp2_moe_balance_loss_of_every_stage_matches_single_process():
 
 def _padded(runs, case: Case, what: str) -> None:
     """Every member of a block ran the same number of entries; some ran padding."""
-    block = case.ep if case.ep > 1 else case.hdp
+    block = case.hdp if case.fsdp or case.ep == 1 else case.ep
     for st, c in runs:
         assert all(what in s["kind"] for s in st), st[0]["kind"]
     for k in range(case.steps):
@@ -201,6 +204,14 @@ def test_pp2_hdp2_with_expert_parallelism_matches_single_process():
     # each stage's MoE layers sharded over its EP group (the stage's two pipelines)
     case = Case(pp=2, hdp=2, moe=True, ep=2, steps=2)
     _padded(_check(case), case, "slots padded over blocks of 2 HDP units")
+
+
+def test_the_whole_pp2_tp2_ep2_fsdp2_at_world_8_matches_single_process():
+    # units of TP 2, HDP 2 per stage; each stage's experts over its EP group (both pipelines), the
+    # dense parameters FSDP2-sharded over the stage's HDP group: the world's slots padded per stage
+    case = Case(pp=2, hdp=2, tp=2, moe=True, ep=2, fsdp=True, steps=2)
+    runs = _check(case, timeout=600)
+    _padded(runs, case, "slots padded over all HDP units")
 
 
 def test_pp2_tp2_with_sequence_parallelism_matches_single_process():
