@@ -52,6 +52,8 @@ class Case:
     fsdp: bool = False  # FSDP2 over each stage's HDP group (padded 1F1B slots)
     ep: int = 1         # experts sharded over blocks of ep pipelines per stage (padded 1F1B slots)
     sp: bool = False    # sequence parallelism inside TP: each TP rank sends its rows of the sequence
+    act_ckpt: bool = False  # activation checkpointing (recompute inside each backward, at every stage)
+    offload: bool = False   # the plan's offload ratios (activations to host memory in each stage's forward)
 
 
 def _dataset(case: Case):
@@ -94,6 +96,7 @@ def _stage_setup(case: Case):
 
         expert_parallel(net, mesh)
     net.pipeline_stage(mesh.stage, mesh.pp)
+    net.activation_checkpointing = case.act_ckpt
     if case.tp > 1:
         tensor_parallel(net, mesh["tp"], sequence_parallel=case.sp)
     if case.fsdp:
@@ -109,7 +112,8 @@ def _stage_setup(case: Case):
     else:
         model = HybridDataParallel(net, process_group=mesh.group("hdp"), config=RuntimeConfig(bucket_cap_mb=0.01))
     # the depth comes from the mesh (a loader on a mesh plans for its dims)
-    loader = HDPLoader(_dataset(case), PlannerConfig(case.capacity, case.strategy), _loader_config(case), units=mesh)
+    loader = HDPLoader(_dataset(case), PlannerConfig(case.capacity, case.strategy, offload=case.offload),
+                       _loader_config(case), units=mesh)
     return mesh, net, model, loader, StepExecutor(model, mesh=mesh)
 
 
@@ -129,7 +133,8 @@ def _pp_worker(rank, world, case):
                       "rings": [tuple(m.plan.ring) for m in step.micro_batches],
                       "sharded": [m.plan.is_ring for m in step.micro_batches],
                       "docs": [[d.batch_pos for d in m.plan.documents] for m in step.micro_batches],
-                      "entries": len(sched), "padding": sched.padding, "kind": executor.kind.describe()})
+                      "entries": len(sched), "padding": sched.padding, "kind": executor.kind.describe(),
+                      "offload": max([m.plan.offload_ratio for m in step.micro_batches], default=0.0)})
     loader.close()
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in net.named_parameters()}
     return params, stats, mesh.coords()
@@ -212,6 +217,11 @@ def test_the_whole_pp2_tp2_ep2_fsdp2_at_world_8_matches_single_process():
     case = Case(pp=2, hdp=2, tp=2, moe=True, ep=2, fsdp=True, steps=2)
     runs = _check(case, timeout=600)
     _padded(runs, case, "slots padded over all HDP units")
+
+
+def test_pp2_hdp2_with_activation_checkpointing_and_the_plans_offload_ratios_matches_single_process():
+    runs = _check(Case(pp=2, hdp=2, act_ckpt=True, offload=True, steps=2))
+    assert any(s["offload"] > 0 for st, _ in runs for s in st), "the plan offloaded nothing"
 
 
 def test_pp2_tp2_with_sequence_parallelism_matches_single_process():
