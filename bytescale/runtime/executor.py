@@ -111,7 +111,8 @@ class _Held:
     layout: Layout
 
 
-def _empty(rank: int, k: int, mb_plan) -> MicroBatch:
+def _empty(mb_plan) -> MicroBatch:
+    """A padding entry's micro-batch: no token (it still joins its block's collectives)."""
     e = torch.empty(0, dtype=torch.long)
     return MicroBatch(e, e.clone(), e.clone(), plan=mb_plan, layout=mb_plan.layout())
 
@@ -171,10 +172,10 @@ class StepExecutor:
             raise TypeError(f"StepExecutor: expected a bytescale Step, got {type(step).__name__}")
         self._check_plan(step)
         sched = self._build(step)
-        self._mbs = tuple(_empty(self.rank, j, e) if s < 0 else
+        self._mbs = tuple(_empty(e) if s < 0 else
                           (step.micro_batches[s] if e is step.micro_batches[s].plan
                            else replace(step.micro_batches[s], plan=e))
-                          for j, (e, s) in enumerate(zip(sched.entries, sched.source)))
+                          for e, s in zip(sched.entries, sched.source))
         self._step, self._schedule = step, sched
         self._held.clear()
         self._done = set()
