@@ -43,6 +43,18 @@ py::list rankMicroBatches(const Plan& p, int rank) {
   return out;
 }
 
+// One read-only attribute per plan field (BYTESCALE_PLAN_FIELDS): arrays as numpy views of the plan.
+template <typename T>
+void planAttribute(py::class_<Plan, std::shared_ptr<Plan>>& c, const char* name, T Plan::*field, const char* doc) {
+  c.def_readonly(name, field, doc);
+}
+
+template <typename T>
+void planAttribute(py::class_<Plan, std::shared_ptr<Plan>>& c, const char* name, std::vector<T> Plan::*field,
+                   const char* doc) {
+  c.def_property_readonly(name, [field](const std::shared_ptr<Plan>& p) { return view(p, (*p).*field); }, doc);
+}
+
 }  // namespace
 
 void bind_planner(py::module_& m) {
@@ -82,31 +94,13 @@ void bind_planner(py::module_& m) {
   m.def("ranks_without_offload", &planner::ranksWithoutOffload, py::arg("cost"), py::arg("length"),
         py::arg("capacity"));
 
-  py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan")
-      .def_readonly("world_size", &Plan::world_size)
-      .def_readonly("strategy", &Plan::strategy)
-      .def_readonly("makespan", &Plan::makespan, "Synchronised step time (the replay's), seconds.")
-      .def_readonly("max_busy", &Plan::max_busy, "Max over ranks of the sum of micro-batch costs.")
-      .def_readonly("mean_cost", &Plan::mean_cost)
-      .def_readonly("imbalance", &Plan::imbalance, "makespan / mean_cost.")
-      .def_readonly("lower_bound", &Plan::lower_bound)
-      .def_readonly("bound_work", &Plan::bound_work)
-      .def_readonly("bound_piece", &Plan::bound_piece)
-      .def_readonly("bound_waves", &Plan::bound_waves)
-      .def_readonly("num_sequences", &Plan::num_sequences)
-      .def_property_readonly("num_micro_batches", &Plan::numMicroBatches)
+  using PlanClass = py::class_<Plan, std::shared_ptr<Plan>>;
+  PlanClass plan(m, "Plan", "A step's plan (csrc/planner/planner.h): flat arrays, read-only (numpy views, no copies).");
+#define BYTESCALE_ATTR(type, name, init, since, doc) planAttribute(plan, #name, &Plan::name, doc);
+  BYTESCALE_PLAN_FIELDS(BYTESCALE_ATTR)
+#undef BYTESCALE_ATTR
+  plan.def_property_readonly("num_micro_batches", &Plan::numMicroBatches)
       .def_property_readonly("num_rings", &Plan::numRings)
-#define BYTESCALE_VIEW(name)                                                                  \
-  .def_property_readonly(#name, [](const std::shared_ptr<Plan>& p) { return view(p, p->name); })
-      BYTESCALE_VIEW(rank_mb) BYTESCALE_VIEW(mb_seg) BYTESCALE_VIEW(mb_offload)
-      BYTESCALE_VIEW(mb_cost) BYTESCALE_VIEW(mb_tokens) BYTESCALE_VIEW(mb_ring)
-      BYTESCALE_VIEW(ring_grp) BYTESCALE_VIEW(grp_ranks) BYTESCALE_VIEW(seg_seq)
-      BYTESCALE_VIEW(seg_ring_size) BYTESCALE_VIEW(seg_ring_pos) BYTESCALE_VIEW(seg_tokens)
-      BYTESCALE_VIEW(rank_cost) BYTESCALE_VIEW(rank_finish) BYTESCALE_VIEW(rank_idle)
-      BYTESCALE_VIEW(mb_slot) BYTESCALE_VIEW(mb_p2p)
-#undef BYTESCALE_VIEW
-      .def_readonly("pp", &Plan::pp, "The pipeline depth the plan was made for (1: none).")
-      .def_readonly("pp_fwd_share", &Plan::pp_fwd_share)
       .def_property_readonly("pipelined", &Plan::pipelined,
                              "Whether micro-batches carry pipeline slots (mb_slot) and makespan is the "
                              "pipeline replay's.")
