@@ -129,12 +129,15 @@ def _plans(seed: int, n_per_world: int):
             lengths = rng.integers(1, cap * min(world, 4), size=k)
             lengths[rng.random(k) < 0.6] //= 8
             lengths = np.maximum(lengths, 1)
-            try:
-                p = bytescale.plan(lengths.tolist(), world, capacity=cap, strategy=strategy,
-                                   offload=bool(i % 2), pp=1 + (i % 3 == 2))
-            except ValueError:
-                continue
-            yield p, world
+            for attempt in range(2):  # then shorter documents (static: CP degree 1, which divides any world)
+                try:
+                    p = bytescale.plan(lengths.tolist(), world, capacity=cap, strategy=strategy,
+                                       offload=bool(i % 2) and strategy != "static", pp=1 + (i % 3 == 2))
+                except ValueError:
+                    lengths = np.minimum(lengths, cap)
+                    continue
+                yield p, world
+                break
 
 
 def _random_schedule(rng: np.random.Generator, world: int):
