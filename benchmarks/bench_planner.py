@@ -102,7 +102,7 @@ def next_pow2(x: int) -> int:
 
 
 class Schedule:
-    """Per-rank lists of (ring id or -1, cost), with ring groups, for _C.planner.replay_schedule."""
+    """Per-rank lists of (ring id or -1, cost), with ring groups, for _C.planner.replay."""
 
     def __init__(self, world: int) -> None:
         self.world = world
@@ -127,7 +127,7 @@ class Schedule:
         sizes = [len(g) for g in self.groups]
         ring_grp = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         grp = np.concatenate(self.groups).astype(np.int32) if self.groups else np.zeros(0, np.int32)
-        return _C.planner.replay_schedule(self.world, rank_mb, mb_ring, ring_grp, grp, cost).step_time
+        return _C.planner.replay(_C.planner.Schedule(self.world, rank_mb, mb_ring, ring_grp, grp), cost).step_time
 
 
 def karmarkar_karp(weights: np.ndarray, k: int) -> List[np.ndarray]:

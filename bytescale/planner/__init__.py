@@ -7,6 +7,10 @@
     plan.micro_batches(rank)       # this rank's micro-batches (MicroBatchPlan), in execution order
     plan.replay(durations)         # the same plan replayed with other micro-batch durations
 
+The step model (the flat replay, the lockstep slots and their expert-parallel form, the 1F1B order
+and replay) is C++ (csrc/planner/replay.h, pipeline.h), bound once in ``bytescale._C.planner`` for
+plans and for schedules built elsewhere (``_C.planner.Schedule``, e.g. the simulator's).
+
 The model of a step (the runtime executes exactly this, and the planner optimises it): every rank
 runs its micro-batches in the plan's order; a local micro-batch starts when its rank is free; a ring
 micro-batch starts only when all members of its group are free and ends on all of them together.
@@ -47,15 +51,14 @@ from ..parallel_dims import ParallelDims
 from .cost import CostModel, load_cost_model
 from .inputs import (OFFLOAD_RULES, _PIPELINE_KEYS, _check_each, _lengths_array, _options,  # noqa: F401
                      _positive_int, stage_layers, static_cp_degree)
-from .lockstep import ep_slot_replay, schedule_lockstep, sort_local_slots
 from .replay import PipelineReplay, Replay
 from .result import Plan
 from .types import DocRef, MicroBatchPlan
 from .units import UnitMap
 
 __all__ = ["CostModel", "Plan", "DocRef", "MicroBatchPlan", "PipelineReplay", "Replay", "UnitMap",
-           "load_cost_model", "plan", "profile", "stage_layers", "static_cp_degree", "schedule_lockstep",
-           "sort_local_slots", "ep_slot_replay", "longest_document", "documents_fit"]
+           "load_cost_model", "plan", "profile", "stage_layers", "static_cp_degree", "longest_document",
+           "documents_fit"]
 
 
 def plan(

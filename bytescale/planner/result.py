@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union
 import numpy as np
 
 from .. import _C
-from .lockstep import ep_slot_replay, sort_local_slots
-from .lockstep import group_slots as _block_slots
 from .replay import PipelineReplay, Replay
 from .types import DocRef, MicroBatchPlan
 from .units import UnitMap
@@ -217,7 +215,7 @@ class Plan:
         slots = self.group_lockstep(group) if group else self.lockstep()
         mine = self.micro_batches(rank, sample_ids)
         base = int(self._p.rank_mb[unit])
-        count = [self._group_slots(slots, u, group) for u in range(slots.shape[0])]
+        count = _C.planner.group_slots(slots, group).tolist()
 
         def last_on_all(mb: MicroBatchPlan, k: int) -> bool:
             # ring members meet in one slot: it ends every member's step when it is each one's last
@@ -232,34 +230,29 @@ class Plan:
         each block of ``group`` consecutive HDP units (an expert-parallel group, whose all-to-alls
         need all its members in every micro-batch) runs only up to its own last real slot; the
         columns past it are -1 for the block (:meth:`group_slots` gives each unit's count). Each
-        unit's local micro-batches take its free slots longest first (:func:`sort_local_slots`),
-        so that a slot, which lasts as long as its slowest member, joins micro-batches of like
-        cost.
+        unit's local micro-batches take its free slots costliest first (by ``mb_cost``; ties by
+        index), so that a slot, which lasts as long as its slowest member, joins micro-batches of
+        like cost.
 
         Every unit of a block runs the same number of slots; ring micro-batches keep their common
         slot on all members (so the rings of slot k and the all-to-alls of slot k never wait on one
         another across slots: no cycle, hence no hang). Raises ValueError when ``group`` does not
         divide the number of units.
         """
-        n = self.units.num_units
-        if group < 1 or n % group:
-            raise ValueError(f"Plan.group_lockstep: group {group} does not divide the {n} HDP units")
-        return sort_local_slots(self.lockstep(), np.asarray(self._p.mb_ring), np.asarray(self._p.mb_cost))
+        return _C.planner.group_lockstep(self._p, int(group))
 
     def group_slots(self, group: int) -> np.ndarray:
         """Slots each unit runs under :meth:`group_lockstep` (the same within a block)."""
-        slots = self.group_lockstep(group)
-        return np.array([self._group_slots(slots, u, group) for u in range(slots.shape[0])], dtype=np.int64)
+        return _C.planner.group_slots(self.group_lockstep(group), int(group))
 
     def ep_replay(self, group: int, durations: Optional[Sequence[float]] = None) -> Replay:
-        """The plan replayed as expert parallelism runs it (:func:`ep_slot_replay` on
-        :meth:`group_lockstep`); ``durations`` as in :meth:`replay`. Compare ``step_time`` with
-        :meth:`replay`'s: the difference is what the EP rule costs on this plan."""
-        p = self._p
-        d = np.asarray(p.mb_cost if durations is None else durations, dtype=np.float64)
-        return ep_slot_replay(self.group_lockstep(group), group, np.asarray(p.rank_mb), np.asarray(p.mb_ring), d)
-
-    _group_slots = staticmethod(_block_slots)
+        """The plan replayed as expert parallelism runs it (``_C.planner.ep_replay`` on
+        :meth:`group_lockstep`: EP blocks advance slot by slot together, a ring joins its members'
+        blocks, a slot lasts as long as its slowest micro-batch); ``durations`` as in
+        :meth:`replay`. Compare ``step_time`` with :meth:`replay`'s: the difference is what the EP
+        rule costs on this plan."""
+        d = None if durations is None else np.ascontiguousarray(durations, dtype=np.float64)
+        return Replay._wrap(_C.planner.ep_replay(self._p, int(group), d))
 
     def num_micro_batches(self, rank: Optional[int] = None) -> Union[int, np.ndarray]:
         counts = np.diff(self._p.rank_mb)

@@ -29,12 +29,13 @@ model, :mod:`bytescale.sim.model`):
   the prices above are one stage's and the same at every stage; a micro-batch's forward is
   ``FWD_SHARE`` of it, its backward the rest; between stages its activations (forward) and their
   gradients (backward) cross one link (:func:`~bytescale.sim.model.p2p_terms`). The C++ 1F1B
-  replay (``bytescale._C.planner.pipeline_replay_schedule``, csrc/planner/pipeline.h) runs every
+  replay (``bytescale._C.planner.pipeline_replay`` of ``Schedule.layout``, csrc/planner/pipeline.h) runs every
   stage's warm-up, steady state and cool-down over the schedule's slots, a ring at every stage on
   its member pipelines at once; the bubble is idle time. Ring links are judged on the first
   stage's units.
 
-The micro-batch durations go to the C++ replay (``bytescale._C.planner.replay_schedule``): every
+The micro-batch durations go to the planner's C++ replay of the schedule's view
+(``bytescale._C.planner.replay(Schedule.layout, durations)``, csrc/planner/replay.h): every
 rank runs its micro-batches in order, a ring micro-batch starts when all its members are free, and
 the waiting is idle time (so is a ring member's wait for the ring's slowest member: zig-zag
 shards can differ by a token). After the last micro-batch: the gradient synchronisation (a ring
@@ -47,9 +48,9 @@ Expert parallelism (``ep`` > 1, an MoE shape): each micro-batch's MoE layers add
 per layer (dispatch and combine, forward and backward), each moving ``top_k x hidden x 2`` bytes
 per token of which ``(ep-1)/ep`` leave the GPU, plus ``ep - 1`` latencies, on NVLink when an EP
 block of ``ep`` units fits a node, else on the inter-node link; they are counted as exposed
-communication (no overlap). The schedule then runs in EP lockstep
-(:func:`bytescale.planner.schedule_lockstep`, locals longest first as the loader orders them,
-:func:`bytescale.planner.ep_slot_replay`): a block's units advance slot by slot together, a ring joins its members' blocks, and padding slots
+communication (no overlap). The schedule then runs in EP lockstep (``bytescale._C.planner.ep_replay``,
+the planner's step model: its lockstep slots, locals longest first as the loader orders them): a
+block's units advance slot by slot together, a ring joins its members' blocks, and padding slots
 wait. Gradients: each GPU all-reduces its dense parameters and 1/ep of the experts.
 
 Per rank, ``compute + exposed_comm + tp_comm + offload + idle + grad_sync + data_stall +
@@ -243,24 +244,20 @@ def simulate(s: Schedule, cl: ClusterSpec, shape: ModelShape, cost: Any, tokens:
         p2p = lat + per_token * s.mb_tokens / bw
         fwd = np.repeat(FWD_SHARE * dur, pp)
         bwd = np.repeat(dur, pp) - fwd
-        prep = _C.planner.pipeline_replay_schedule(s.world, pp, s.rank_mb, s.mb_slot, s.mb_ring, s.ring_grp,
-                                                   s.grp_ranks, fwd, bwd, np.ascontiguousarray(p2p))
+        prep = _C.planner.pipeline_replay(s.layout, fwd, bwd, np.ascontiguousarray(p2p))
         bubble = float(prep.bubble)
         rep_step = float(prep.step_time)
         # the first stage's view: a micro-batch from its forward to its backward there
         rep_start = np.asarray(prep.fwd_start).reshape(-1, pp)[:, 0]
         rep_end = np.asarray(prep.bwd_end).reshape(-1, pp)[:, 0]
-    elif ep > 1 or s.info.get("lockstep"):
-        from ..planner import ep_slot_replay, schedule_lockstep, sort_local_slots
-
-        slots = sort_local_slots(schedule_lockstep(s.world, s.rank_mb, s.mb_ring, s.ring_grp, s.grp_ranks),
-                                 s.mb_ring, dur)
-        # EP: blocks of ep units in lockstep; the paper's rows before its balance scheduler: the world
-        r = ep_slot_replay(slots, ep if ep > 1 else s.world, s.rank_mb, s.mb_ring, dur)
-        rep_start, rep_end, rep_step = r.start, r.end, r.step_time
     else:
-        rep = _C.planner.replay_schedule(s.world, s.rank_mb, s.mb_ring, s.ring_grp, s.grp_ranks,
-                                         np.ascontiguousarray(dur))
+        d = np.ascontiguousarray(dur)
+        if ep > 1 or s.info.get("lockstep"):
+            # EP: blocks of ep units in lockstep, locals costliest first in their free slots; the
+            # paper's rows before its balance scheduler: the whole world in lockstep
+            rep = _C.planner.ep_replay(s.layout, ep if ep > 1 else s.world, d, d)
+        else:
+            rep = _C.planner.replay(s.layout, d)
         rep_start, rep_end, rep_step = np.asarray(rep.mb_start), np.asarray(rep.mb_end), float(rep.step_time)
     if grad_bytes is None:
         grad_bytes = 2.0 * gpu_params(shape, tp, pp)

@@ -37,10 +37,11 @@ lockstep        Megatron-LM's dynamic CP with PP: every pipeline the same slots 
 hdp-pp-balance  HDP + PP-Balance (the paper's Alg. 2), offloading, remote loading (``"pp-balance"``)
 ==============  =====================================================================================
 
-A :class:`Schedule` holds exactly the arrays the C++ replay takes (``rank_mb``, ``mb_ring``,
-``ring_grp``, ``grp_ranks``; see csrc/planner/replay.h) plus what the engine prices per micro-batch:
-the tokens this rank holds, its share of the attention work (sum of s^2 / ring size over its
-documents), the ring size, the offload ratio and the number of documents.
+A :class:`Schedule` holds the planner's schedule view (``layout``, ``bytescale._C.planner.Schedule``:
+a plan's own ``rank_mb``, ``mb_ring``, ``ring_grp``, ``grp_ranks`` and 1F1B slots, which the
+planner's step model replays; see csrc/planner/replay.h) plus what the engine prices per
+micro-batch: the tokens this rank holds, its share of the attention work (sum of s^2 / ring size
+over its documents), the ring size, the offload ratio and the number of documents.
 """
 from __future__ import annotations
 
@@ -75,7 +76,12 @@ PP_STRATEGIES: Dict[str, Tuple[str, bool, str]] = {
 
 @dataclass(frozen=True, eq=False)
 class Schedule:
-    """One step's schedule in the replay's flat layout plus per-micro-batch work.
+    """One step's schedule: the planner's schedule view plus per-micro-batch work.
+
+    ``layout`` is a ``bytescale._C.planner.Schedule`` (csrc/planner/replay.h ScheduleView): a plan's
+    own arrays (:func:`schedule_from_plan`, no copy) or arrays built by hand
+    (:meth:`from_arrays`); the engine replays it with the planner's step model. ``rank_mb``,
+    ``mb_ring``, ``ring_grp``, ``grp_ranks``, ``world``, ``pp`` and ``mb_slot`` read it.
 
     ``loader``: ``"local"`` (each data-parallel replica reads only its share, prefetched),
     ``"global"`` (every node reads the whole global batch to learn its lengths before planning;
@@ -84,21 +90,62 @@ class Schedule:
     """
 
     strategy: str
-    world: int
-    rank_mb: np.ndarray    # int64 [world + 1]
-    mb_ring: np.ndarray    # int64 [M], -1 = local
-    ring_grp: np.ndarray   # int64 [rings + 1]
-    grp_ranks: np.ndarray  # int32
-    mb_tokens: np.ndarray  # float64 [M]: tokens this rank holds in the micro-batch
-    mb_attn: np.ndarray    # float64 [M]: sum over its documents of s^2 / ring size
+    layout: Any               # bytescale._C.planner.Schedule (world = pipelines when pp > 1)
+    mb_tokens: np.ndarray     # float64 [M]: tokens this rank holds in the micro-batch
+    mb_attn: np.ndarray       # float64 [M]: sum over its documents of s^2 / ring size
     mb_ring_size: np.ndarray  # int64 [M]: 1 for a local micro-batch
     mb_offload: np.ndarray    # float64 [M]: offload ratio r
     mb_docs: np.ndarray       # int64 [M]: documents (or pieces) in the micro-batch
     loader: str
     planner_step: float = float("nan")  # the planner's own prediction (its cost model), seconds
     info: Dict[str, Any] = field(default_factory=dict)
-    pp: int = 1                         # pipeline stages (world = pipelines when > 1)
-    mb_slot: Optional[np.ndarray] = None  # int64 [M]: 1F1B slot in its pipeline (pp > 1)
+
+    @classmethod
+    def from_arrays(cls, strategy: str, world: int, rank_mb: Any, mb_ring: Any, ring_grp: Any, grp_ranks: Any,
+                    pp: int = 1, mb_slot: Any = None, **work: Any) -> "Schedule":
+        """A schedule built outside the planner: the replay's arrays (csrc/planner/replay.h; with
+        ``pp`` > 1 a 1F1B ``mb_slot`` per micro-batch) and the per-micro-batch work (the other
+        fields). ValueError when the arrays do not form a schedule."""
+        from .. import _C
+
+        layout = _C.planner.Schedule(world, np.asarray(rank_mb, dtype=np.int64), np.asarray(mb_ring, dtype=np.int64),
+                                     np.asarray(ring_grp, dtype=np.int64), np.asarray(grp_ranks, dtype=np.int32),
+                                     None if mb_slot is None else np.asarray(mb_slot, dtype=np.int64), pp)
+        return cls(strategy=strategy, layout=layout, **work)
+
+    @property
+    def world(self) -> int:
+        """Ranks (HDP units), or pipelines when ``pp`` > 1."""
+        return int(self.layout.world_size)
+
+    @property
+    def rank_mb(self) -> np.ndarray:
+        """int64 [world + 1]: rank r's micro-batches are [rank_mb[r], rank_mb[r + 1])."""
+        return self.layout.rank_mb
+
+    @property
+    def mb_ring(self) -> np.ndarray:
+        """int64 [M]: the ring of each micro-batch, -1 = local."""
+        return self.layout.mb_ring
+
+    @property
+    def ring_grp(self) -> np.ndarray:
+        """int64 [rings + 1]: ring k's group is grp_ranks[ring_grp[k] .. ring_grp[k + 1])."""
+        return self.layout.ring_grp
+
+    @property
+    def grp_ranks(self) -> np.ndarray:
+        return self.layout.grp_ranks
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages (1: none)."""
+        return int(self.layout.stages) if self.layout.pipelined else 1
+
+    @property
+    def mb_slot(self) -> Optional[np.ndarray]:
+        """int64 [M]: each micro-batch's 1F1B slot in its pipeline (None without pipelines)."""
+        return self.layout.mb_slot if self.layout.pipelined else None
 
     @property
     def num_micro_batches(self) -> int:
@@ -140,7 +187,10 @@ def split_at_context(lengths: np.ndarray, context: int) -> np.ndarray:
 
 
 def schedule_from_plan(name: str, plan: Any, lengths: np.ndarray, loader: str) -> Schedule:
-    """The schedule of a :class:`bytescale.planner.Plan` of ``lengths`` (any strategy/options)."""
+    """The schedule of a :class:`bytescale.planner.Plan` of ``lengths`` (any strategy/options):
+    the plan's own schedule view plus the work its micro-batches price."""
+    from .. import _C
+
     p = plan.raw
     M = int(p.num_micro_batches)
     mb_seg = np.asarray(p.mb_seg, dtype=np.int64)
@@ -157,15 +207,11 @@ def schedule_from_plan(name: str, plan: Any, lengths: np.ndarray, loader: str) -
     sizes = np.diff(ring_grp)
     ring_size = np.where(mb_ring >= 0, sizes[np.maximum(mb_ring, 0)] if sizes.size else 1, 1).astype(np.int64)
     return Schedule(
-        strategy=name, world=plan.world_size, rank_mb=np.asarray(p.rank_mb, dtype=np.int64),
-        mb_ring=mb_ring, ring_grp=ring_grp, grp_ranks=np.asarray(p.grp_ranks, dtype=np.int32),
-        mb_tokens=np.asarray(p.mb_tokens, dtype=np.float64), mb_attn=attn, mb_ring_size=ring_size,
-        mb_offload=np.asarray(p.mb_offload, dtype=np.float64), mb_docs=docs, loader=loader,
-        planner_step=float(plan.makespan),
+        strategy=name, layout=_C.planner.Schedule(p), mb_tokens=np.asarray(p.mb_tokens, dtype=np.float64),
+        mb_attn=attn, mb_ring_size=ring_size, mb_offload=np.asarray(p.mb_offload, dtype=np.float64), mb_docs=docs,
+        loader=loader, planner_step=float(plan.makespan),
         info={"rings": int(p.num_rings), "max_ring": int(sizes.max()) if sizes.size else 1,
-              "planner_bound": float(plan.lower_bound)},
-        pp=int(plan.pp) if plan.pipelined else 1,
-        mb_slot=np.asarray(plan.slots, dtype=np.int64) if plan.pipelined else None)
+              "planner_bound": float(plan.lower_bound)})
 
 
 def static_schedule(lengths: np.ndarray, world: int, capacity: int, cp: Optional[int] = None,

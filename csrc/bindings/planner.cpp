@@ -1,13 +1,12 @@
 // Python bindings of the HDP planner. Plan arrays are exposed as read-only numpy views whose base
 // is the Plan itself: no copies of large arrays.
-#include "bindings/bindings.h"
-
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
-#include <cstring>
 #include <memory>
 
+#include "bindings/arrays.h"
+#include "bindings/bindings.h"
 #include "planner/feasibility.h"
 #include "planner/pipeline.h"
 #include "planner/offload_rule.h"
@@ -21,19 +20,8 @@ namespace bytescale {
 
 namespace {
 using planner::CostModel;
-using planner::LockstepSlots;
-using planner::PipelineReplay;
 using planner::Plan;
 using planner::PlanOptions;
-using planner::ReplayResult;
-
-template <typename T, typename Owner>
-py::array view(const std::shared_ptr<Owner>& owner, const std::vector<T>& v) {
-  py::array a(py::dtype::of<T>(), {static_cast<py::ssize_t>(v.size())}, {sizeof(T)}, v.data(),
-              py::cast(owner));
-  py::detail::array_proxy(a.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
-  return a;
-}
 
 // One rank's micro-batches as Python objects: [(segments, group, offload_ratio, cost), ...] with
 // segments = [(seq, ring_size, ring_pos, tokens), ...].
@@ -55,57 +43,18 @@ py::list rankMicroBatches(const Plan& p, int rank) {
   return out;
 }
 
-// A 1-D array argument as a pointer and length (int64/int32/float64, C-contiguous, cast if needed).
+// One read-only attribute per plan field (BYTESCALE_PLAN_FIELDS): arrays as numpy views of the plan.
 template <typename T>
-using Arr = py::array_t<T, py::array::c_style | py::array::forcecast>;
+void planAttribute(py::class_<Plan, std::shared_ptr<Plan>>& c, const char* name, T Plan::*field, const char* doc) {
+  c.def_readonly(name, field, doc);
+}
 
 template <typename T>
-void check1d(const Arr<T>& a, const char* name) {
-  if (a.ndim() != 1)
-    throw py::value_error(std::string(name) + " must be 1-D, got " + std::to_string(a.ndim()) + " dimensions");
+void planAttribute(py::class_<Plan, std::shared_ptr<Plan>>& c, const char* name, std::vector<T> Plan::*field,
+                   const char* doc) {
+  c.def_property_readonly(name, [field](const std::shared_ptr<Plan>& p) { return view(p, (*p).*field); }, doc);
 }
 
-std::shared_ptr<ReplayResult> replayPlan(const Plan& p, const py::object& durations) {
-  if (durations.is_none()) {
-    py::gil_scoped_release nogil;
-    return std::make_shared<ReplayResult>(planner::replay(p));
-  }
-  Arr<double> d = py::cast<Arr<double>>(durations);
-  check1d(d, "durations");
-  if (d.size() != p.numMicroBatches())
-    throw py::value_error("durations has " + std::to_string(d.size()) + " entries for " +
-                          std::to_string(p.numMicroBatches()) + " micro-batches");
-  const double* dp = d.data();
-  const int64_t n = d.size();
-  py::gil_scoped_release nogil;
-  return std::make_shared<ReplayResult>(planner::replay(planner::scheduleOf(p), dp, n));
-}
-
-// fwd / bwd: None (with the plan: its own costs) or float64 of num_mb x stages entries.
-std::shared_ptr<PipelineReplay> pipelineReplayPlan(const Plan& p, const py::object& fwd, const py::object& bwd,
-                                                   const py::object& p2p) {
-  if (fwd.is_none() && bwd.is_none() && p2p.is_none()) {
-    py::gil_scoped_release nogil;
-    return std::make_shared<PipelineReplay>(planner::replayPipeline(p));
-  }
-  if (fwd.is_none() || bwd.is_none() || p2p.is_none())
-    throw py::value_error("pipeline_replay: give fwd, bwd and p2p together (or none of them)");
-  const planner::PipelineView v = planner::pipelineOf(p);
-  Arr<double> f = py::cast<Arr<double>>(fwd), b = py::cast<Arr<double>>(bwd), x = py::cast<Arr<double>>(p2p);
-  const int64_t M = p.numMicroBatches(), P = p.pp;
-  if (f.size() != M * P || b.size() != M * P || x.size() != M)
-    throw py::value_error("pipeline_replay: fwd and bwd need micro-batches x stages = " + std::to_string(M * P) +
-                          " entries, p2p " + std::to_string(M) + "; got " + std::to_string(f.size()) + ", " +
-                          std::to_string(b.size()) + ", " + std::to_string(x.size()));
-  py::gil_scoped_release nogil;
-  return std::make_shared<PipelineReplay>(planner::replayPipeline(v, f.data(), b.data(), x.data(), M));
-}
-
-py::array lockstepArray(const LockstepSlots& s) {
-  py::array_t<int64_t> out({static_cast<py::ssize_t>(s.world_size), static_cast<py::ssize_t>(s.num_slots)});
-  if (!s.mb.empty()) std::memcpy(out.mutable_data(), s.mb.data(), s.mb.size() * sizeof(int64_t));
-  return out;
-}
 }  // namespace
 
 void bind_planner(py::module_& m) {
@@ -145,31 +94,13 @@ void bind_planner(py::module_& m) {
   m.def("ranks_without_offload", &planner::ranksWithoutOffload, py::arg("cost"), py::arg("length"),
         py::arg("capacity"));
 
-  py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan")
-      .def_readonly("world_size", &Plan::world_size)
-      .def_readonly("strategy", &Plan::strategy)
-      .def_readonly("makespan", &Plan::makespan, "Synchronised step time (the replay's), seconds.")
-      .def_readonly("max_busy", &Plan::max_busy, "Max over ranks of the sum of micro-batch costs.")
-      .def_readonly("mean_cost", &Plan::mean_cost)
-      .def_readonly("imbalance", &Plan::imbalance, "makespan / mean_cost.")
-      .def_readonly("lower_bound", &Plan::lower_bound)
-      .def_readonly("bound_work", &Plan::bound_work)
-      .def_readonly("bound_piece", &Plan::bound_piece)
-      .def_readonly("bound_waves", &Plan::bound_waves)
-      .def_readonly("num_sequences", &Plan::num_sequences)
-      .def_property_readonly("num_micro_batches", &Plan::numMicroBatches)
+  using PlanClass = py::class_<Plan, std::shared_ptr<Plan>>;
+  PlanClass plan(m, "Plan", "A step's plan (csrc/planner/planner.h): flat arrays, read-only (numpy views, no copies).");
+#define BYTESCALE_ATTR(type, name, init, since, doc) planAttribute(plan, #name, &Plan::name, doc);
+  BYTESCALE_PLAN_FIELDS(BYTESCALE_ATTR)
+#undef BYTESCALE_ATTR
+  plan.def_property_readonly("num_micro_batches", &Plan::numMicroBatches)
       .def_property_readonly("num_rings", &Plan::numRings)
-#define BYTESCALE_VIEW(name)                                                                  \
-  .def_property_readonly(#name, [](const std::shared_ptr<Plan>& p) { return view(p, p->name); })
-      BYTESCALE_VIEW(rank_mb) BYTESCALE_VIEW(mb_seg) BYTESCALE_VIEW(mb_offload)
-      BYTESCALE_VIEW(mb_cost) BYTESCALE_VIEW(mb_tokens) BYTESCALE_VIEW(mb_ring)
-      BYTESCALE_VIEW(ring_grp) BYTESCALE_VIEW(grp_ranks) BYTESCALE_VIEW(seg_seq)
-      BYTESCALE_VIEW(seg_ring_size) BYTESCALE_VIEW(seg_ring_pos) BYTESCALE_VIEW(seg_tokens)
-      BYTESCALE_VIEW(rank_cost) BYTESCALE_VIEW(rank_finish) BYTESCALE_VIEW(rank_idle)
-      BYTESCALE_VIEW(mb_slot) BYTESCALE_VIEW(mb_p2p)
-#undef BYTESCALE_VIEW
-      .def_readonly("pp", &Plan::pp, "The pipeline depth the plan was made for (1: none).")
-      .def_readonly("pp_fwd_share", &Plan::pp_fwd_share)
       .def_property_readonly("pipelined", &Plan::pipelined,
                              "Whether micro-batches carry pipeline slots (mb_slot) and makespan is the "
                              "pipeline replay's.")
@@ -192,121 +123,10 @@ void bind_planner(py::module_& m) {
           },
           py::arg("lengths"), py::arg("options"));
 
-  py::class_<ReplayResult, std::shared_ptr<ReplayResult>>(
-      m, "ReplayResult", "A plan replayed in the runtime's model (csrc/planner/replay.h).")
-      .def_readonly("step_time", &ReplayResult::step_time)
-#define BYTESCALE_VIEW(name)                                                   \
-  .def_property_readonly(#name, [](const std::shared_ptr<ReplayResult>& r) { return view(r, r->name); })
-      BYTESCALE_VIEW(mb_start) BYTESCALE_VIEW(mb_end) BYTESCALE_VIEW(rank_finish)
-      BYTESCALE_VIEW(rank_busy) BYTESCALE_VIEW(rank_idle)
-#undef BYTESCALE_VIEW
-      ;
-
-  py::class_<PipelineReplay, std::shared_ptr<PipelineReplay>>(
-      m, "PipelineReplay", "A pipelined plan replayed under 1F1B (csrc/planner/pipeline.h).")
-      .def_readonly("pipelines", &PipelineReplay::pipelines)
-      .def_readonly("stages", &PipelineReplay::stages)
-      .def_readonly("step_time", &PipelineReplay::step_time)
-      .def_readonly("bubble", &PipelineReplay::bubble)
-#define BYTESCALE_VIEW(name)                                                   \
-  .def_property_readonly(#name, [](const std::shared_ptr<PipelineReplay>& r) { return view(r, r->name); })
-      BYTESCALE_VIEW(fwd_start) BYTESCALE_VIEW(fwd_end) BYTESCALE_VIEW(bwd_start) BYTESCALE_VIEW(bwd_end)
-      BYTESCALE_VIEW(pipe_finish) BYTESCALE_VIEW(stage_busy)
-#undef BYTESCALE_VIEW
-      ;
-  m.def("pipeline_replay", &pipelineReplayPlan, py::arg("plan"), py::arg("fwd") = py::none(),
-        py::arg("bwd") = py::none(), py::arg("p2p") = py::none(),
-        "Replays a pipelined plan under 1F1B: its own costs by default, or fwd / bwd (micro-batches x "
-        "stages, row-major) and p2p (per micro-batch) seconds. ValueError on malformed input.");
-  m.def(
-      "pipeline_replay_schedule",
-      [](int pipelines, int stages, Arr<int64_t> rank_mb, Arr<int64_t> mb_slot, Arr<int64_t> mb_ring,
-         Arr<int64_t> ring_grp, Arr<int32_t> grp_ranks, Arr<double> fwd, Arr<double> bwd, Arr<double> p2p) {
-        for (auto* a : {&rank_mb, &mb_slot, &mb_ring, &ring_grp}) check1d(*a, "schedule arrays");
-        check1d(grp_ranks, "grp_ranks");
-        if (pipelines < 1) throw py::value_error("pipelines must be >= 1, got " + std::to_string(pipelines));
-        if (rank_mb.size() != pipelines + 1)
-          throw py::value_error("rank_mb needs pipelines + 1 entries, got " + std::to_string(rank_mb.size()));
-        if (ring_grp.size() < 1) throw py::value_error("ring_grp needs rings + 1 entries (at least [0])");
-        const int64_t M = mb_ring.size();
-        if (mb_slot.size() != M) throw py::value_error("mb_slot and mb_ring disagree in length");
-        if (stages < 1) throw py::value_error("stages must be >= 1, got " + std::to_string(stages));
-        if (fwd.size() != M * stages || bwd.size() != M * stages || p2p.size() != M)
-          throw py::value_error("fwd and bwd need micro-batches x stages = " + std::to_string(M * stages) +
-                                " entries and p2p " + std::to_string(M));
-        planner::PipelineView v;
-        v.sched.world_size = pipelines;
-        v.sched.rank_mb = rank_mb.data();
-        v.sched.num_mb = M;
-        v.sched.mb_ring = mb_ring.data();
-        v.sched.num_rings = ring_grp.size() - 1;
-        v.sched.ring_grp = ring_grp.data();
-        v.sched.grp_ranks = grp_ranks.data();
-        v.sched.num_grp_ranks = grp_ranks.size();
-        v.stages = stages;
-        v.mb_slot = mb_slot.data();
-        const double *f = fwd.data(), *b = bwd.data(), *x = p2p.data();
-        py::gil_scoped_release nogil;
-        return std::make_shared<PipelineReplay>(planner::replayPipeline(v, f, b, x, M));
-      },
-      py::arg("pipelines"), py::arg("stages"), py::arg("rank_mb"), py::arg("mb_slot"), py::arg("mb_ring"),
-      py::arg("ring_grp"), py::arg("grp_ranks"), py::arg("fwd"), py::arg("bwd"), py::arg("p2p"),
-      "pipeline_replay() on raw schedule arrays (a pipelined plan's layout).");
-  m.def("one_f_one_b", &planner::oneFOneB, py::arg("slots"), py::arg("stages"), py::arg("stage"),
-        "The 1F1B operations of one stage: 2k = forward of slot k, 2k + 1 = its backward.");
   m.def("stage_layers", &planner::stageLayers, py::arg("layers"), py::arg("stages"),
         "Layers per pipeline stage; ValueError when the stages do not divide the layers.");
   m.def("check_pipeline_depth", &planner::checkPipelineDepth, py::arg("plan"), py::arg("stages"),
         "ValueError when the plan was made for another pipeline depth.");
-
-  m.def("replay", &replayPlan, py::arg("plan"), py::arg("durations") = py::none(),
-        "Replays a plan: each rank runs its micro-batches in order, a ring micro-batch starts when "
-        "all its members are free and ends at start + the largest duration among them. "
-        "durations: per micro-batch (indexed like plan.mb_cost), default plan.mb_cost. Raises "
-        "ValueError on a deadlocking order or malformed input.");
-  m.def(
-      "replay_schedule",
-      [](int world_size, Arr<int64_t> rank_mb, Arr<int64_t> mb_ring, Arr<int64_t> ring_grp,
-         Arr<int32_t> grp_ranks, Arr<double> durations) {
-        check1d(rank_mb, "rank_mb");
-        check1d(mb_ring, "mb_ring");
-        check1d(ring_grp, "ring_grp");
-        check1d(grp_ranks, "grp_ranks");
-        check1d(durations, "durations");
-        if (world_size < 1) throw py::value_error("world_size must be >= 1, got " + std::to_string(world_size));
-        if (rank_mb.size() != world_size + 1)
-          throw py::value_error("rank_mb needs world_size + 1 entries, got " + std::to_string(rank_mb.size()));
-        if (ring_grp.size() < 1) throw py::value_error("ring_grp needs rings + 1 entries (at least [0])");
-        planner::ScheduleView v;
-        v.world_size = world_size;
-        v.rank_mb = rank_mb.data();
-        v.num_mb = mb_ring.size();
-        v.mb_ring = mb_ring.data();
-        v.num_rings = ring_grp.size() - 1;
-        v.ring_grp = ring_grp.data();
-        v.grp_ranks = grp_ranks.data();
-        v.num_grp_ranks = grp_ranks.size();
-        const double* d = durations.data();
-        const int64_t n = durations.size();
-        py::gil_scoped_release nogil;
-        return std::make_shared<ReplayResult>(planner::replay(v, d, n));
-      },
-      py::arg("world_size"), py::arg("rank_mb"), py::arg("mb_ring"), py::arg("ring_grp"),
-      py::arg("grp_ranks"), py::arg("durations"),
-      "replay() on raw schedule arrays (a plan's layout): for schedules built outside the planner.");
-  m.def(
-      "lockstep",
-      [](const Plan& p) {
-        LockstepSlots s;
-        {
-          py::gil_scoped_release nogil;
-          s = planner::lockstepSlots(p);
-        }
-        return lockstepArray(s);
-      },
-      py::arg("plan"),
-      "FSDP2 lockstep slots: int64 [world_size, slots], the micro-batch index each rank runs in "
-      "each slot, -1 for an empty (padding) slot. Ring members meet in the same slot.");
 
   py::class_<PlanOptions>(m, "PlanOptions")
       .def(py::init<>())
@@ -422,6 +242,8 @@ void bind_planner(py::module_& m) {
       },
       py::arg("lengths"), py::arg("options"),
       "Per length: whether a plan of these options can place a sequence of that many tokens.");
+
+  bind_step_model(m);  // step_model.cpp: Schedule, replays, lockstep slots (needs Plan)
 }
 
 }  // namespace bytescale

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
+#include <type_traits>
 
 #include "common/zigzag.h"
 #include "planner/pipeline.h"
@@ -226,6 +227,8 @@ constexpr char kMagic[4] = {'B', 'S', 'P', 'L'};
 // Version 3: pipelines (pp, pp_fwd_share, mb_slot, mb_p2p). Version 2 bytes still read (pp = 1).
 constexpr uint32_t kVersion = 3;
 
+// One put / get per kind of field: arithmetic values as their bytes, arrays as a u64 count and
+// their elements, strings as a u32 length and their bytes.
 struct Writer {
   std::vector<uint8_t> out;
   void raw(const void* p, size_t n) {
@@ -233,11 +236,18 @@ struct Writer {
     out.insert(out.end(), b, b + n);
   }
   template <typename T>
-  void pod(T v) { raw(&v, sizeof(T)); }
+  void put(const T& v) {
+    static_assert(std::is_arithmetic_v<T>, "plan fields are numbers, arrays of numbers or strings");
+    raw(&v, sizeof(T));
+  }
   template <typename T>
-  void vec(const std::vector<T>& v) {
-    pod<uint64_t>(v.size());
+  void put(const std::vector<T>& v) {
+    put<uint64_t>(v.size());
     if (!v.empty()) raw(v.data(), v.size() * sizeof(T));
+  }
+  void put(const std::string& v) {
+    put<uint32_t>(static_cast<uint32_t>(v.size()));
+    raw(v.data(), v.size());
   }
 };
 
@@ -250,17 +260,24 @@ struct Reader {
     i += k;
   }
   template <typename T>
-  T pod() {
-    T v;
+  void get(T& v) {
+    static_assert(std::is_arithmetic_v<T>, "plan fields are numbers, arrays of numbers or strings");
     raw(&v, sizeof(T));
-    return v;
   }
   template <typename T>
-  void vec(std::vector<T>& v) {
-    uint64_t k = pod<uint64_t>();
+  void get(std::vector<T>& v) {
+    uint64_t k;
+    get(k);
     if (k > (n - i) / sizeof(T)) throw std::invalid_argument("plan bytes: bad array length");
     v.resize(k);
     if (k) raw(v.data(), k * sizeof(T));
+  }
+  void get(std::string& v) {
+    uint32_t k;
+    get(k);
+    if (k > 64) throw std::invalid_argument("plan bytes: bad strategy name");
+    v.resize(k);
+    raw(v.data(), k);
   }
 };
 }  // namespace
@@ -268,38 +285,10 @@ struct Reader {
 std::vector<uint8_t> Plan::serialize() const {
   Writer w;
   w.raw(kMagic, 4);
-  w.pod<uint32_t>(kVersion);
-  w.pod<int32_t>(world_size);
-  w.pod<int64_t>(num_sequences);
-  w.pod<uint32_t>(static_cast<uint32_t>(strategy.size()));
-  w.raw(strategy.data(), strategy.size());
-  w.vec(rank_mb);
-  w.vec(mb_seg);
-  w.vec(mb_offload);
-  w.vec(mb_cost);
-  w.vec(mb_tokens);
-  w.vec(mb_ring);
-  w.vec(seg_seq);
-  w.vec(seg_ring_size);
-  w.vec(seg_ring_pos);
-  w.vec(seg_tokens);
-  w.vec(ring_grp);
-  w.vec(grp_ranks);
-  w.vec(rank_cost);
-  w.vec(rank_finish);
-  w.vec(rank_idle);
-  w.pod<double>(makespan);
-  w.pod<double>(max_busy);
-  w.pod<double>(mean_cost);
-  w.pod<double>(imbalance);
-  w.pod<double>(lower_bound);
-  w.pod<double>(bound_work);
-  w.pod<double>(bound_piece);
-  w.pod<double>(bound_waves);
-  w.pod<int32_t>(pp);
-  w.pod<double>(pp_fwd_share);
-  w.vec(mb_slot);
-  w.vec(mb_p2p);
+  w.put<uint32_t>(kVersion);
+#define BYTESCALE_PUT(type, name, init, since, doc) w.put(name);
+  BYTESCALE_PLAN_FIELDS(BYTESCALE_PUT)
+#undef BYTESCALE_PUT
   return w.out;
 }
 
@@ -308,46 +297,16 @@ Plan Plan::deserialize(const uint8_t* data, size_t size) {
   char magic[4];
   r.raw(magic, 4);
   if (std::memcmp(magic, kMagic, 4) != 0) throw std::invalid_argument("plan bytes: bad magic");
-  uint32_t v = r.pod<uint32_t>();
+  uint32_t v;
+  r.get(v);
   if (v != kVersion && v != 2)
     throw std::invalid_argument("plan bytes: version " + std::to_string(v) + ", expected 2 or " +
                                 std::to_string(kVersion));
-  Plan p;
-  p.world_size = r.pod<int32_t>();
-  p.num_sequences = r.pod<int64_t>();
-  uint32_t sl = r.pod<uint32_t>();
-  if (sl > 64) throw std::invalid_argument("plan bytes: bad strategy name");
-  p.strategy.resize(sl);
-  r.raw(p.strategy.data(), sl);
-  r.vec(p.rank_mb);
-  r.vec(p.mb_seg);
-  r.vec(p.mb_offload);
-  r.vec(p.mb_cost);
-  r.vec(p.mb_tokens);
-  r.vec(p.mb_ring);
-  r.vec(p.seg_seq);
-  r.vec(p.seg_ring_size);
-  r.vec(p.seg_ring_pos);
-  r.vec(p.seg_tokens);
-  r.vec(p.ring_grp);
-  r.vec(p.grp_ranks);
-  r.vec(p.rank_cost);
-  r.vec(p.rank_finish);
-  r.vec(p.rank_idle);
-  p.makespan = r.pod<double>();
-  p.max_busy = r.pod<double>();
-  p.mean_cost = r.pod<double>();
-  p.imbalance = r.pod<double>();
-  p.lower_bound = r.pod<double>();
-  p.bound_work = r.pod<double>();
-  p.bound_piece = r.pod<double>();
-  p.bound_waves = r.pod<double>();
-  if (v >= 3) {
-    p.pp = r.pod<int32_t>();
-    p.pp_fwd_share = r.pod<double>();
-    r.vec(p.mb_slot);
-    r.vec(p.mb_p2p);
-  }
+  Plan p;  // fields newer than the bytes keep their defaults
+#define BYTESCALE_GET(type, name, init, since, doc) \
+  if (v >= (since)) r.get(p.name);
+  BYTESCALE_PLAN_FIELDS(BYTESCALE_GET)
+#undef BYTESCALE_GET
   if (r.i != size) throw std::invalid_argument("plan bytes: trailing data");
   p.checkStructure();
   return p;

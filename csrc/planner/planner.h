@@ -93,48 +93,55 @@ struct PlanOptions {
   PipelineOptions pipeline;
 };
 
-// Flat (structure-of-arrays) plan, cheap to serialise and to expose to Python without copies.
+// The plan's fields, written once: the Plan struct below, its byte format (plan.cpp: every field in
+// this order, each from format version `since` on) and its Python attributes (csrc/bindings/planner.cpp:
+// read-only, arrays as numpy views, with `doc`) are all generated from this list.
+// X(type, name, default, since, doc)
+#define BYTESCALE_PLAN_FIELDS(X)                                                                              \
+  X(int32_t, world_size, 0, 2, "ranks (HDP units), or pipelines of a pipelined plan")                         \
+  X(int64_t, num_sequences, 0, 2, "sequences in the input")                                                   \
+  X(std::string, strategy, {}, 2, "the strategy that built this plan ('pow2' when balanced kept pow2's)")     \
+  X(std::vector<int64_t>, rank_mb, {}, 2,                                                                     \
+    "rank r's micro-batches are [rank_mb[r], rank_mb[r+1]), in execution order")                              \
+  X(std::vector<int64_t>, mb_seg, {}, 2, "micro-batch m's segments are [mb_seg[m], mb_seg[m+1])")             \
+  X(std::vector<double>, mb_offload, {}, 2, "offload ratio r of each micro-batch (0 = none)")                 \
+  X(std::vector<double>, mb_cost, {}, 2, "predicted time of each micro-batch on its rank (seconds)")          \
+  X(std::vector<int64_t>, mb_tokens, {}, 2, "tokens held by the rank in each micro-batch")                    \
+  X(std::vector<int64_t>, mb_ring, {}, 2, "ring id of a ring micro-batch (0 .. rings-1), -1: local")          \
+  X(std::vector<int64_t>, seg_seq, {}, 2, "segment k's sequence index (position in the input)")               \
+  X(std::vector<int32_t>, seg_ring_size, {}, 2, "segment k's ring size")                                      \
+  X(std::vector<int32_t>, seg_ring_pos, {}, 2, "segment k's ring position")                                   \
+  X(std::vector<int64_t>, seg_tokens, {}, 2, "tokens segment k holds")                                        \
+  X(std::vector<int64_t>, ring_grp, {}, 2,                                                                    \
+    "ring k's group, in ring order, is grp_ranks[ring_grp[k] .. ring_grp[k+1]); ids give the global ring "    \
+    "order")                                                                                                  \
+  X(std::vector<int32_t>, grp_ranks, {}, 2, "the rings' members (see ring_grp)")                              \
+  X(std::vector<double>, rank_cost, {}, 2, "busy time: the sum of the rank's micro-batch costs")              \
+  X(std::vector<double>, rank_finish, {}, 2, "when the rank finishes its last micro-batch (replayed)")         \
+  X(std::vector<double>, rank_idle, {}, 2, "makespan - rank_cost: waits for ring partners + tail")            \
+  X(double, makespan, 0, 2, "synchronised step time (the replay's; a pipelined plan's: 1F1B's), seconds")     \
+  X(double, max_busy, 0, 2, "max of rank_cost (the step if ranks never waited)")                              \
+  X(double, mean_cost, 0, 2, "mean of rank_cost")                                                             \
+  X(double, imbalance, 1, 2, "makespan / mean_cost")                                                          \
+  X(double, lower_bound, 0, 2, "max of the bound's parts: no plan can beat it (bound.h)")                     \
+  X(double, bound_work, 0, 2, "total work / total speed")                                                     \
+  X(double, bound_piece, 0, 2, "the largest indivisible piece (best ring size, communication included)")      \
+  X(double, bound_waves, 0, 2, "wide rings that cannot all run at once")                                      \
+  X(int32_t, pp, 1, 3, "the pipeline depth the plan was made for (1: none)")                                  \
+  X(double, pp_fwd_share, 1.0 / 3, 3, "the forward's share of a micro-batch in the pipeline replay")          \
+  X(std::vector<int64_t>, mb_slot, {}, 3,                                                                     \
+    "pipelined: each micro-batch's 1F1B slot in its pipeline (increasing along the pipeline's list; gaps "    \
+    "are empty slots; a ring's members hold it at the same slot); empty without pipelines")                   \
+  X(std::vector<double>, mb_p2p, {}, 3, "pipelined: each micro-batch's stage-to-stage transfer time")
+
+// Flat (structure-of-arrays) plan, cheap to serialise and to expose to Python without copies. Its
+// predictions come from the cost model and the replay of csrc/planner/replay.h with durations =
+// mb_cost. Pipelines (pipeline.h): mb_slot / mb_p2p are empty for a plan without pipelines (pp == 1
+// and no pp-* strategy).
 struct Plan {
-  int world_size = 0;
-  std::string strategy;  // the strategy that built this plan ("pow2" when balanced kept pow2's)
-  // rank r's micro-batches are [rank_mb[r], rank_mb[r+1]), in execution order
-  std::vector<int64_t> rank_mb;
-  // micro-batch m: segments [mb_seg[m], mb_seg[m+1])
-  std::vector<int64_t> mb_seg;
-  std::vector<double> mb_offload;  // offload ratio r of the micro-batch (0 = none)
-  std::vector<double> mb_cost;     // predicted time on its rank (seconds)
-  std::vector<int64_t> mb_tokens;  // tokens held by the rank in this micro-batch
-  std::vector<int64_t> mb_ring;    // ring id of a ring micro-batch (0 .. rings-1), -1: local
-  // ring k (one entry per ring, shared by its members' micro-batches): its group, in ring order,
-  // is grp_ranks[ring_grp[k] .. ring_grp[k+1]). Ring ids give the global ring order.
-  std::vector<int64_t> ring_grp;
-  std::vector<int32_t> grp_ranks;
-  // segment k: sequence index (position in the input), ring size, ring position, tokens held
-  std::vector<int64_t> seg_seq;
-  std::vector<int32_t> seg_ring_size;
-  std::vector<int32_t> seg_ring_pos;
-  std::vector<int64_t> seg_tokens;
-  // predictions (cost model; the replay of csrc/planner/replay.h with durations = mb_cost)
-  std::vector<double> rank_cost;    // busy time: sum of the rank's micro-batch costs
-  std::vector<double> rank_finish;  // when the rank finishes its last micro-batch (replayed)
-  std::vector<double> rank_idle;    // makespan - rank_cost: waits for ring partners + tail
-  double makespan = 0;              // synchronised step time: max of rank_finish
-  double max_busy = 0;              // max of rank_cost (the step if ranks never waited)
-  double mean_cost = 0;             // mean of rank_cost
-  double imbalance = 1;             // makespan / mean_cost
-  double lower_bound = 0;           // max of the parts below: no plan can beat it (bound.h)
-  double bound_work = 0;            // total work / total speed
-  double bound_piece = 0;           // largest indivisible piece (best ring size, comm included)
-  double bound_waves = 0;           // wide rings that cannot all run at once
-  int64_t num_sequences = 0;
-  // Pipelines (pipeline.h): the depth the plan was made for, the forward share its replay used, and
-  // per micro-batch its schedule slot in its pipeline (increasing along the pipeline's list; gaps
-  // are empty slots; a ring's members hold it at the same slot) and its stage-to-stage transfer
-  // time. mb_slot / mb_p2p are empty for a plan without pipelines (pp == 1 and no pp-* strategy).
-  int pp = 1;
-  double pp_fwd_share = 1.0 / 3;
-  std::vector<int64_t> mb_slot;
-  std::vector<double> mb_p2p;
+#define BYTESCALE_PLAN_MEMBER(type, name, init, since, doc) type name = init;
+  BYTESCALE_PLAN_FIELDS(BYTESCALE_PLAN_MEMBER)
+#undef BYTESCALE_PLAN_MEMBER
 
   bool pipelined() const { return !mb_slot.empty(); }
   int64_t numMicroBatches() const { return static_cast<int64_t>(mb_tokens.size()); }

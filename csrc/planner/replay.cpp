@@ -258,5 +258,7 @@ LockstepSlots lockstepSlots(const ScheduleView& s) {
 
 LockstepSlots lockstepSlots(const Plan& plan) { return lockstepSlots(scheduleOf(plan)); }
 
+void checkSchedule(const ScheduleView& s) { validate(s); }
+
 }  // namespace planner
 }  // namespace bytescale

@@ -1,5 +1,7 @@
-// Replay of a plan in the runtime's execution model (pure C++, no torch), and its FSDP2 lockstep
-// slots.
+// The step model of a flat plan (pure C++, no torch): its replay in the runtime's execution model,
+// its FSDP2 lockstep slots, and their expert-parallel form (EP blocks) with its replay. Each reads
+// one schedule view (ScheduleView: a plan's arrays, or a schedule built elsewhere, e.g. the
+// simulator's); the 1F1B order and replay of a pipelined plan are pipeline.h's.
 //
 // The model of a step (what the runtime does and what the planner optimises):
 //   * every rank runs its micro-batches one after another, exactly in the plan's per-rank order;
@@ -72,6 +74,41 @@ struct LockstepSlots {
 // Throws std::invalid_argument on malformed input or an inconsistent ring order (as replay()).
 LockstepSlots lockstepSlots(const Plan& plan);
 LockstepSlots lockstepSlots(const ScheduleView& schedule);
+
+// Throws std::invalid_argument naming the first problem when the arrays do not form a schedule
+// (the checks replay() and lockstepSlots() run first).
+void checkSchedule(const ScheduleView& schedule);
+
+// ---- Expert parallelism (lockstep.cpp) ----------------------------------------------------------
+// Under EP every unit of a block of `group` consecutive units (an EP group) joins the all-to-alls of
+// every micro-batch, so a block's units advance slot by slot together.
+
+// Each row's local micro-batches (mb_ring -1) permuted over the slots they occupy, costliest first
+// (ties: the lower index); ring slots and padding stay. Any order of a rank's locals is a valid
+// schedule (they have no partner). `cost` has one entry per micro-batch (no NaN).
+void sortLocalSlots(LockstepSlots& slots, const int64_t* mb_ring, const double* cost, int64_t num_mb);
+
+// Per unit: the slots its block of `group` units runs (the block's last used slot + 1; 0 when the
+// block holds nothing); group 0: every slot. A last block shorter than `group` counts its own rows.
+std::vector<int64_t> groupSlotCounts(const LockstepSlots& slots, int group);
+
+// The EP lockstep slots: lockstepSlots() with each unit's locals sorted by `cost` (one entry per
+// micro-batch), so that a slot, which lasts as long as its slowest member, joins micro-batches of
+// like cost. Throws std::invalid_argument when `group` (>= 1) does not divide the world.
+LockstepSlots groupLockstep(const ScheduleView& schedule, int group, const double* cost, int64_t num_cost);
+LockstepSlots groupLockstep(const Plan& plan, int group);  // cost: plan.mb_cost
+
+// Replay of lockstep `slots` ([units][slots], -1 = padding) under EP with blocks of `group`
+// consecutive units: a block's units advance slot by slot together (and stop after the block's own
+// last real slot, groupSlotCounts), a ring joins its members' blocks for its slot, and a slot lasts
+// as long as the slowest micro-batch among the units it joins (a padding slot costs nothing itself
+// but waits). rank_finish is each unit's end, rank_idle = step_time - rank_busy. Throws
+// std::invalid_argument on a bad group, bad durations (finite, >= 0, one per micro-batch), or slots
+// that do not hold each unit's own micro-batches.
+ReplayResult epSlotReplay(const LockstepSlots& slots, int group, const ScheduleView& schedule,
+                          const double* durations, int64_t num_durations);
+// groupLockstep(plan, group) replayed with `durations` (empty: plan.mb_cost).
+ReplayResult epReplay(const Plan& plan, int group, const std::vector<double>& durations = {});
 
 }  // namespace planner
 }  // namespace bytescale

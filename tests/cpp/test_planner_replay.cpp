@@ -352,3 +352,91 @@ TEST(PlanBytes, RoundTripAndCorruptionIsAnError) {
   }
   EXPECT_GT(errors, 1000);
 }
+
+namespace {
+// The byte format as written field by field before the field list (BYTESCALE_PLAN_FIELDS) generated
+// it: the reference that the generated serialize() must reproduce byte for byte.
+struct LegacyWriter {
+  std::vector<uint8_t> out;
+  void raw(const void* p, size_t n) {
+    auto* b = static_cast<const uint8_t*>(p);
+    out.insert(out.end(), b, b + n);
+  }
+  template <typename T>
+  void pod(T v) { raw(&v, sizeof(T)); }
+  template <typename T>
+  void vec(const std::vector<T>& v) {
+    pod<uint64_t>(v.size());
+    if (!v.empty()) raw(v.data(), v.size() * sizeof(T));
+  }
+};
+
+std::vector<uint8_t> legacyBytes(const Plan& p, uint32_t version) {
+  LegacyWriter w;
+  w.raw("BSPL", 4);
+  w.pod<uint32_t>(version);
+  w.pod<int32_t>(p.world_size);
+  w.pod<int64_t>(p.num_sequences);
+  w.pod<uint32_t>(static_cast<uint32_t>(p.strategy.size()));
+  w.raw(p.strategy.data(), p.strategy.size());
+  w.vec(p.rank_mb);
+  w.vec(p.mb_seg);
+  w.vec(p.mb_offload);
+  w.vec(p.mb_cost);
+  w.vec(p.mb_tokens);
+  w.vec(p.mb_ring);
+  w.vec(p.seg_seq);
+  w.vec(p.seg_ring_size);
+  w.vec(p.seg_ring_pos);
+  w.vec(p.seg_tokens);
+  w.vec(p.ring_grp);
+  w.vec(p.grp_ranks);
+  w.vec(p.rank_cost);
+  w.vec(p.rank_finish);
+  w.vec(p.rank_idle);
+  for (double x : {p.makespan, p.max_busy, p.mean_cost, p.imbalance, p.lower_bound, p.bound_work, p.bound_piece,
+                   p.bound_waves})
+    w.pod<double>(x);
+  if (version >= 3) {
+    w.pod<int32_t>(p.pp);
+    w.pod<double>(p.pp_fwd_share);
+    w.vec(p.mb_slot);
+    w.vec(p.mb_p2p);
+  }
+  return w.out;
+}
+}  // namespace
+
+TEST(PlanBytes, TheFieldListWritesTheFormatFieldByField) {
+  std::mt19937_64 rng(31);
+  int planned = 0, pipelined = 0;
+  for (int trial = 0; trial < 80; ++trial) {
+    PlanOptions o = randomOptions(rng, trial);
+    if (trial % 4 == 1) {
+      o.pipeline.stages = 2;
+      o.strategy = trial % 8 == 1 ? Strategy::kPPBalance : Strategy::kBalanced;
+    }
+    auto lens = heavyTailed(rng, static_cast<int>(rng() % 50), o.capacity,
+                            o.capacity * std::max(1, o.world_size) / 2 + 1);
+    Plan p;
+    try {
+      p = makePlan(lens, o);
+    } catch (const std::invalid_argument&) {
+      continue;
+    }
+    ++planned;
+    pipelined += p.pipelined();
+    const std::vector<uint8_t> bytes = p.serialize();
+    ASSERT_EQ(bytes, legacyBytes(p, 3)) << "trial " << trial;
+    if (p.pipelined()) continue;
+    // Version 2 bytes (no pipeline fields) still read: the pipeline fields keep their defaults.
+    const std::vector<uint8_t> v2 = legacyBytes(p, 2);
+    Plan q = Plan::deserialize(v2.data(), v2.size());
+    EXPECT_EQ(q.pp, 1);
+    EXPECT_EQ(q.pp_fwd_share, 1.0 / 3);
+    EXPECT_TRUE(q.mb_slot.empty() && q.mb_p2p.empty());
+    if (p.pp == 1 && p.pp_fwd_share == 1.0 / 3) EXPECT_EQ(q.serialize(), bytes) << "trial " << trial;
+  }
+  EXPECT_GT(planned, 50);
+  EXPECT_GT(pipelined, 5);
+}

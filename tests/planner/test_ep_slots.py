@@ -86,11 +86,8 @@ def test_ep_replay_blocks_of_one_unit_without_rings_are_the_plain_sums():
         plan.ep_replay(1, d[:-1])
 
 
-def test_schedule_lockstep_on_raw_arrays_equals_the_cpp_lockstep():
-    from bytescale.planner import schedule_lockstep
-
+def test_lockstep_on_raw_arrays_equals_the_plans_lockstep():
     for plan, world in _random_plans(25):
         r = plan.raw
-        got = schedule_lockstep(world, np.asarray(r.rank_mb), np.asarray(r.mb_ring), np.asarray(r.ring_grp),
-                                np.asarray(r.grp_ranks))
-        np.testing.assert_array_equal(got, plan.lockstep())
+        sched = bytescale._C.planner.Schedule(world, r.rank_mb, r.mb_ring, r.ring_grp, r.grp_ranks)
+        np.testing.assert_array_equal(bytescale._C.planner.lockstep(sched), plan.lockstep())

@@ -214,9 +214,9 @@ def test_brute_force_small_instances():
                     slots = np.array(list(range(len(o0))) + list(range(len(o1))))
                     c = cost[order]
                     f = np.repeat(c / 3.0, P)
-                    r = bytescale._C.planner.pipeline_replay_schedule(
-                        2, P, rank_mb, slots, np.full(n, -1), np.zeros(1, np.int64), np.zeros(0, np.int32),
-                        f, np.repeat(c, P) - f, p2p[order])
+                    sched = bytescale._C.planner.Schedule(2, rank_mb, np.full(n, -1), np.zeros(1, np.int64),
+                                                          np.zeros(0, np.int32), slots, P)
+                    r = bytescale._C.planner.pipeline_replay(sched, f, np.repeat(c, P) - f, p2p[order])
                     best = min(best, r.step_time)
         assert p.lower_bound <= best * (1 + 1e-9)
         assert best * (1 - 1e-9) <= p.makespan <= 1.10 * best, (trial, p.makespan / best)

@@ -132,10 +132,10 @@ def test_replay_matches_an_independent_simulation(lengths, world, strategy, hete
 def test_replay_of_a_crossed_order_raises_naming_the_deadlock():
     # rank 0 runs ring 0 then ring 1, rank 1 ring 1 then ring 0: neither can start
     with pytest.raises(ValueError, match="deadlock.*rank 0 waits in ring 0"):
-        _C.planner.replay_schedule(2, np.array([0, 2, 4]), np.array([0, 1, 1, 0]), np.array([0, 2, 4]),
-                                   np.array([0, 1, 0, 1], dtype=np.int32), np.ones(4))
-    r = _C.planner.replay_schedule(2, np.array([0, 2, 4]), np.array([0, 1, 0, 1]), np.array([0, 2, 4]),
-                                   np.array([0, 1, 0, 1], dtype=np.int32), np.array([1.0, 2, 3, 1]))
+        _C.planner.replay(_C.planner.Schedule(2, np.array([0, 2, 4]), np.array([0, 1, 1, 0]), np.array([0, 2, 4]),
+                                              np.array([0, 1, 0, 1], dtype=np.int32)), np.ones(4))
+    r = _C.planner.replay(_C.planner.Schedule(2, np.array([0, 2, 4]), np.array([0, 1, 0, 1]), np.array([0, 2, 4]),
+                                              np.array([0, 1, 0, 1], dtype=np.int32)), np.array([1.0, 2, 3, 1]))
     assert r.step_time == 3 + 2  # ring 0 lasts max(1, 3), ring 1 max(2, 1)
     p = plan([300, 20, 20], world_size=3, capacity=CAP)
     with pytest.raises(ValueError, match="durations"):

@@ -67,7 +67,7 @@ def test_static_and_hdp_agree_on_equal_short_sequences(world):
 
 def _hand_schedule() -> Schedule:
     # rank 0: local (1000 tokens), then ring 0 with rank 1; rank 1: ring 0 only; rank 2: local (2000)
-    return Schedule(
+    return Schedule.from_arrays(
         strategy="hand", world=3, rank_mb=np.array([0, 2, 3, 4]), mb_ring=np.array([-1, 0, 0, -1]),
         ring_grp=np.array([0, 2]), grp_ranks=np.array([0, 1], dtype=np.int32),
         mb_tokens=np.array([1000.0, 500.0, 500.0, 2000.0]), mb_attn=np.zeros(4),
@@ -103,10 +103,10 @@ def test_ring_across_nodes_pays_the_inter_node_link():
 
 def test_deadlocking_schedule_is_reported():
     s = _hand_schedule()
-    bad = replace(s, rank_mb=np.array([0, 2, 4, 4]), mb_ring=np.array([0, 1, 1, 0]),
-                  ring_grp=np.array([0, 2, 4]), grp_ranks=np.array([0, 1, 0, 1], dtype=np.int32),
-                  mb_tokens=np.full(4, 10.0), mb_attn=np.zeros(4), mb_ring_size=np.full(4, 2),
-                  mb_offload=np.zeros(4), mb_docs=np.ones(4, dtype=np.int64))
+    bad = Schedule.from_arrays(s.strategy, 3, rank_mb=np.array([0, 2, 4, 4]), mb_ring=np.array([0, 1, 1, 0]),
+                               ring_grp=np.array([0, 2, 4]), grp_ranks=np.array([0, 1, 0, 1], dtype=np.int32),
+                               mb_tokens=np.full(4, 10.0), mb_attn=np.zeros(4), mb_ring_size=np.full(4, 2),
+                               mb_offload=np.zeros(4), mb_docs=np.ones(4, dtype=np.int64), loader=s.loader)
     with pytest.raises(ValueError, match="deadlock"):
         simulate(bad, cluster("h100-nvlink-ib400", 3, 8), SHAPE, _unit_cost(), 40, 0.0, 0.0)
 

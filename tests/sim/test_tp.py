@@ -100,7 +100,7 @@ def test_kv_heads_replicated_past_their_count():
 
 def _rings(world: int) -> Schedule:
     # unit 0 and unit 1 in one ring (one node at T = 4, gpn 8), units 2 and 3... units 1 and 2 in another
-    return Schedule(
+    return Schedule.from_arrays(
         strategy="hand", world=world, rank_mb=np.array([0, 1, 3, 4, 4]), mb_ring=np.array([0, 0, 1, 1]),
         ring_grp=np.array([0, 2, 4]), grp_ranks=np.array([0, 1, 1, 2], dtype=np.int32),
         mb_tokens=np.full(4, 4000.0), mb_attn=np.zeros(4), mb_ring_size=np.full(4, 2),
