@@ -124,14 +124,6 @@ class HFPipelineStage(nn.Module):
         model.model, model.lm_head = None, None  # the whole model's object no longer holds the stage
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.stage == self.stages - 1
-
-    @property
     def layers(self) -> nn.ModuleDict:
         """This stage's decoder layers, keyed by their index in the whole model."""
         return self.model.layers

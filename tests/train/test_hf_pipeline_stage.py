@@ -222,19 +222,25 @@ def _built_stage_worker(rank, world, paths):
 
 
 @pytest.mark.nccl_order
-def test_the_trainer_builds_hf_stages_with_pp(tmp_path):
-    """``--model config.json --pp 2`` builds each rank's HFPipelineStage (activation checkpointing
-    on it), and the two stages run by hand across two processes give the whole model's gradients
-    (the whole model built by the same build_model, the same init seed). The executor that runs
-    the 1F1B schedule over such stages is not exercised here."""
-    from dist_utils import run_distributed
-    from bytescale.train.build import build_model
-    from bytescale.train.config import parse_args
-
+def _saved_configs(tmp_path) -> dict:
+    """HF Llama and Qwen2 configs saved as config.json files: family -> path."""
     paths = {}
     for family in ("llama", "qwen2"):
         _config(family).save_pretrained(tmp_path / family)
         paths[family] = str(tmp_path / family / "config.json")
+    return paths
+
+
+def test_the_trainer_builds_hf_stages_with_pp(tmp_path):
+    """``--model config.json --pp 2`` builds each rank's HFPipelineStage (activation checkpointing
+    on it), and the two stages run by hand across two processes give the whole model's gradients
+    (the whole model built by the same build_model, the same init seed). The step executor's 1F1B
+    over such stages: tests/train/test_train_compose.py."""
+    from dist_utils import run_distributed
+    from bytescale.train.build import build_model
+    from bytescale.train.config import parse_args
+
+    paths = _saved_configs(tmp_path)
     results = run_distributed(_built_stage_worker, 2, paths, timeout=300)
     ids, pos, labels = _batch()
     for family, path in paths.items():
@@ -398,10 +404,7 @@ def test_hf_stages_with_ring_attention_across_hdp_units(tmp_path):
     from bytescale.train.build import build_model
     from bytescale.train.config import parse_args
 
-    paths = {}
-    for family in ("llama", "qwen2"):
-        _config(family).save_pretrained(tmp_path / family)
-        paths[family] = str(tmp_path / family / "config.json")
+    paths = _saved_configs(tmp_path)
     results = run_distributed(_ring_worker, 4, paths, timeout=300)
     ids, pos, labels = _ring_batch()
     lens = UNIT_LENS[0] + UNIT_LENS[1] + [SHARDED]
