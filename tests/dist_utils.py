@@ -242,6 +242,7 @@ class _World:
                 if msg is not None:
                     kind, text = msg
                     if kind == "error":
+                        self._raise_if_one_died(pending - {r})  # the root cause: a rank that died
                         self.why = f"rank {r} raised"
                         self.kill()
                         raise mp.ProcessRaisedException(
@@ -262,6 +263,25 @@ class _World:
                             f"process {r} terminated with exit code {code}", r, self.procs[r].pid,
                             code)
                     # exit code 0 without a reply: the rank ended itself (os._exit(0)); no result
+
+    def _raise_if_one_died(self, others) -> None:
+        """A survivor's error often reports a peer that died (its collective lost the peer): give
+        a dead rank's exit half a second to show and report it first, so that the error names the
+        cause whatever the scheduling of the processes."""
+        deadline = time.monotonic() + 0.5
+        while True:
+            for q in sorted(others):
+                if not self.procs[q].is_alive():
+                    self.procs[q].join(1)
+                    code = self.procs[q].exitcode
+                    if code not in (0, None) and not self.conns[q].poll():
+                        self.why = f"rank {q} exited with code {code}"
+                        self.kill()
+                        raise mp.ProcessExitedException(f"process {q} terminated with exit code {code}", q,
+                                                        self.procs[q].pid, code)
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
 
 
 _ctx = None
