@@ -1,7 +1,10 @@
 """PP 2 x HDP 2 measured on CPU through the real entry point (``torchrun --nproc_per_node 4 -m
-bytescale.train --pp 2``): the same data, model, seed and steps under three plans of the same
+bytescale.train --pp 2``): the same data, model, seed and steps under four plans of the same
 pipelines, run ``--rounds`` times alternately so that load on the machine hits them alike:
 
+* ``static``: the static DP x CP x PP baseline (``--strategy static --pp 2``: one CP degree sized for
+  the longest document, every document sharded over its replica's CP group, packed micro-batches
+  through the same 1F1B executor; issue 34);
 * ``pp-balance``: the paper's PP-Balance (with its safety nets, csrc/planner/pp_balance.cpp);
 * ``pp-lockstep``: Megatron's lockstep slots (every pipeline the same count, rings aligned);
 * ``naive``: the paper's Alg. 1 token-balanced order, slotted as it comes.
@@ -32,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the tree's bytescale (calibration)
 from bench_tp import _run, run_arguments  # noqa: E402  (one launcher for the measured CPU benchmarks)
 
-PLANS = ("pp-balance", "pp-lockstep", "naive")
+PLANS = ("static", "pp-balance", "pp-lockstep", "naive")
 
 
 def main(argv=None) -> None:
@@ -62,13 +65,21 @@ def main(argv=None) -> None:
                      "measured_bubble": statistics.mean(measured),
                      "planned_bubble": statistics.mean(planned) if planned else float("nan"),
                      "last_loss": rs[0]["rows"][-1]["loss"], "load": statistics.mean(run["load"] for run in rs),
-                     "steps_measured": len(times), "plans": sorted({row["plan"].split()[0] for row in rows})}
-    base = out["pp-lockstep"]["median_step_s"]
-    print(f"{'plan':<16} {'median step (s)':>16} {'tokens/s':>9} {'vs lockstep':>12} {'bubble measured':>16} "
-          f"{'bubble planned':>15} {'last loss':>10} {'load':>5}")
+                     "steps_measured": len(times), "plans": sorted({row["plan"].split()[0] for row in rows}),
+                     "round_medians": [statistics.median(row["step_time_s"] for row in run["rows"][2:]) for run in rs],
+                     "micro_batches": [int(statistics.median(c)) for c in zip(*(row["micro_batches"] for row in rows))]}
+    for name, o in out.items():  # +cal variants against the +cal baselines
+        suffix = name[len(name.split("+")[0]):]
+        o["vs_static"] = out["static" + suffix]["median_step_s"] / o["median_step_s"]
+        o["vs_lockstep"] = out["pp-lockstep" + suffix]["median_step_s"] / o["median_step_s"]
+    print(f"{'plan':<16} {'median step (s)':>16} {'tokens/s':>9} {'vs static':>10} {'vs lockstep':>12} "
+          f"{'bubble measured':>16} {'bubble planned':>15} {'last loss':>10} {'load':>5}")
     for name, o in out.items():
-        print(f"{name:<16} {o['median_step_s']:>16.3f} {o['tokens_per_s']:>9.0f} {base / o['median_step_s']:>11.2f}x "
-              f"{o['measured_bubble']:>16.3f} {o['planned_bubble']:>15.3f} {o['last_loss']:>10.4f} {o['load']:>5.1f}")
+        print(f"{name:<16} {o['median_step_s']:>16.3f} {o['tokens_per_s']:>9.0f} {o['vs_static']:>9.2f}x "
+              f"{o['vs_lockstep']:>11.2f}x {o['measured_bubble']:>16.3f} {o['planned_bubble']:>15.3f} "
+              f"{o['last_loss']:>10.4f} {o['load']:>5.1f}")
+        print(f"{'':<16} plans: {', '.join(o['plans'])}; micro-batches per rank (median over steps) "
+              f"{o['micro_batches']}; median step per round (s) {', '.join(f'{x:.2f}' for x in o['round_medians'])}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     if args.png:

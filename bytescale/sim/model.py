@@ -138,7 +138,7 @@ MODELS: Dict[str, ModelShape] = {  # the paper's Table 1 (module docstring)
     "llama-30b": ModelShape("llama-30b", 60, 6656, 56, 8, 128, 17920, 32000),
     "llama-70b": ModelShape("llama-70b", 80, 8192, 64, 8, 128, 28672, 32000),
     "mistral-8x7b": ModelShape("mistral-8x7b", 32, 4096, 32, 8, 128, 14336, 32000, experts=8, top_k=2),
-    "mistral-8x22b": ModelShape("mistral-8x22b", 56, 6144, 48, 8, 128, 16384, 32000, experts=8, top_k=2),
+    "mistral-8x22b": ModelShape("mistral-8x22b", 56, 6144, 48, 8, 128, 16384, 32768, experts=8, top_k=2),
 }
 
 
