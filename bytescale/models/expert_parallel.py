@@ -1,4 +1,4 @@
-"""Expert parallelism for the package's MoE Llama under HDP.
+"""Expert parallelism for the package's MoE Llama (and an HF Mixtral, :mod:`bytescale.models.hf_moe`) under HDP.
 
 :func:`expert_parallel` shards every MoE layer's experts over the mesh's expert-parallel group
 (``bytescale.init_mesh(ep=E)``: E consecutive HDP units of one TP index): rank ``j`` of the group
@@ -69,18 +69,31 @@ def check_expert_parallel(n_experts: int, ep: int, what: str = "the model") -> N
 def expert_parallel(model: nn.Module, mesh=None, ep_group: Optional[dist.ProcessGroup] = None,
                     edp_group: Optional[dist.ProcessGroup] = None) -> nn.Module:
     """Shard the experts of the package's MoE Llama over the expert-parallel group (module
-    docstring) in place; returns the model. Apply before :func:`tensor_parallel` and FSDP2's
+    docstring) in place; returns the model. An HF Mixtral first becomes
+    :func:`bytescale.models.hf_moe.hf_moe_model` (a new module: use the returned one), whose MoE
+    blocks are the package's (HF's routing, the same dispatch, an HDP-correct balance loss). Apply before :func:`tensor_parallel` and FSDP2's
     ``fully_shard``, which must leave the experts out (``ignored_params=set(expert_param_groups(model))``:
     FSDP2 shards the dense parameters, :class:`bytescale.HybridDataParallel` sums the experts).
 
     ``mesh``: the job's :class:`bytescale.Mesh` (default: the current one), or give ``ep_group``
     and ``edp_group`` directly. Raises ValueError when the EP degree does not divide the experts.
     """
+    from .hf_moe import is_hf_moe
     from .llama import Llama
     from .moe import MoE
 
-    if not isinstance(model, Llama):
-        raise TypeError(f"expert_parallel: expected bytescale.models.Llama, got {type(model).__name__}")
+    if is_hf_moe(model) and not any(isinstance(m, MoE) for m in model.modules()):
+        from .hf_moe import hf_moe_model
+
+        model = hf_moe_model(model)  # an HF Mixtral: the package's MoE blocks first (a new module)
+    if isinstance(model, Llama):
+        n_experts, what = model.cfg.n_experts, "this Llama"
+    else:
+        blocks = [m for m in model.modules() if isinstance(m, MoE)]
+        if not blocks:
+            raise TypeError(f"expert_parallel: expected bytescale.models.Llama, an HF Mixtral or a model with "
+                            f"bytescale MoE blocks (bytescale.models.hf_moe_model), got {type(model).__name__}")
+        n_experts, what = blocks[0].n_experts, type(model).__name__
     if ep_group is None:
         if mesh is None:
             from ..comm.mesh import current_mesh
@@ -90,7 +103,7 @@ def expert_parallel(model: nn.Module, mesh=None, ep_group: Optional[dist.Process
             raise ValueError("expert_parallel: no mesh; call bytescale.init_mesh(ep=E) first or pass ep_group")
         ep_group, edp_group = mesh.group("ep"), mesh.group("edp")
     ep = 1 if ep_group is None else dist.get_world_size(ep_group)
-    check_expert_parallel(model.cfg.n_experts, ep, "this Llama")
+    check_expert_parallel(n_experts, ep, what)
     if ep == 1:
         return model
     if edp_group is None:

@@ -147,9 +147,13 @@ class MoE(nn.Module):
         probs = torch.softmax(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, -1)
         top_w, top_i = probs.topk(self.top_k, dim=-1)
         top_w = (top_w / top_w.sum(-1, keepdim=True)).to(x.dtype)
+        return self.run_experts(x, top_w, top_i), balance_loss(probs, top_i, layout, global_tokens, self.top_k)
+
+    def run_experts(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
+        """``sum_k top_w[t, k] * expert_{top_i[t, k]}(x[t])`` for every token ``t``: the experts held
+        here, or under expert parallelism the dropless dispatch / combine over the EP group."""
         if self.ep_group is not None:
-            out = self._dispatch_combine(x, top_w, top_i)
-            return out, balance_loss(probs, top_i, layout, global_tokens, self.top_k)
+            return self._dispatch_combine(x, top_w, top_i)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             tok, slot = torch.nonzero(top_i == e, as_tuple=True)
@@ -157,7 +161,7 @@ class MoE(nn.Module):
             # gradient on every rank, as FSDP2's reduce-scatter expects
             y = expert(x.index_select(0, tok)) * top_w[tok, slot].unsqueeze(-1)
             out = out.index_add(0, tok, y.to(out.dtype))
-        return out, balance_loss(probs, top_i, layout, global_tokens, self.top_k)
+        return out
 
     def _dispatch_combine(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
         """The experts under expert parallelism (module docstring): every rank of the EP group

@@ -5,6 +5,10 @@ an HF ``config.json`` (or a directory holding one) builds
 ``AutoModelForCausalLM.from_config(config, attn_implementation="bytescale")``, randomly
 initialised from ``model.init_seed`` (the same on every rank).
 
+An HF Mixtral (tp=1) runs on the package's MoE blocks at every EP degree
+(:func:`bytescale.models.hf_moe.hf_moe_model`: HF's routing, the package's dispatch, the balance
+loss made exact under HDP), its experts sharded by ``--ep``.
+
 Parallelisation, in TorchTitan's order: this rank's pipeline stage (``--pp``: bytescale's
 ``Llama.pipeline_stage``, or :func:`bytescale.models.hf_pipeline_stage` for an HF model), tensor
 parallelism inside each HDP unit (the mesh's "tp" dimension:
@@ -260,6 +264,20 @@ def blocks(model: nn.Module, info: ModelInfo) -> List[nn.Module]:
     return list(layers)
 
 
+def _hf_moe(model: nn.Module, info: ModelInfo, cfg: TrainConfig, mesh) -> nn.Module:
+    """An HF Mixtral (tp=1) on the package's MoE blocks, this rank's stage of it: HF's routing, the
+    package's dispatch (EP-shardable), the HDP-correct balance loss (:mod:`bytescale.models.hf_moe`),
+    at every EP degree alike (so EP 1 and EP E train the same objective and expert names)."""
+    from ..models.hf_moe import hf_moe_model, is_hf_moe
+
+    if info.kind != "hf" or not is_hf_moe(model) or mesh.tp > 1:
+        return model  # with tp > 1: HF's own model under its TP plan, no balance loss (EP refused)
+    try:
+        return hf_moe_model(model, mesh.stage if mesh.pp > 1 else 0, mesh.pp)
+    except ValueError as e:
+        raise ConfigError(f"model {cfg.model.name}: {e}") from None
+
+
 def parallelize(model: nn.Module, info: ModelInfo, cfg: TrainConfig, device: torch.device, mesh=None):
     """Tensor parallelism, activation checkpointing, compile, FSDP2, HybridDataParallel (see module
     docstring). ``mesh``: the job's :class:`bytescale.Mesh` (default: the current one). With
@@ -272,20 +290,26 @@ def parallelize(model: nn.Module, info: ModelInfo, cfg: TrainConfig, device: tor
     mesh = mesh or current_mesh()
     if mesh is None:
         raise ConfigError("parallelize: no mesh; call bytescale.init_mesh first")
+    model = _hf_moe(model, info, cfg, mesh)
     if mesh.ep > 1:
-        from ..models.expert_parallel import expert_parallel
+        from ..models.expert_parallel import check_expert_parallel, expert_parallel
 
-        if info.kind != "llama":
-            raise ConfigError(f"hdp.ep={mesh.ep}: expert parallelism applies to bytescale's MoE Llama presets "
-                              f"(--model mixtral-tiny), not to the HF model {cfg.model.name}")
         try:
-            expert_parallel(model, mesh)
+            if info.kind != "llama" and not getattr(model, "takes_layout", False):
+                if not info.moe:
+                    check_expert_parallel(0, mesh.ep, f"the HF model {cfg.model.name}")  # raises: dense
+                raise ValueError("expert parallelism for HF models supports Mixtral (bytescale.models.hf_moe."
+                                 "HF_MOE_TYPES) with tp=1 (with tp > 1 an HF model keeps its own experts under "
+                                 "its transformers TP plan)")
+            model = expert_parallel(model, mesh)
         except ValueError as e:
             raise ConfigError(f"hdp.ep={mesh.ep} with model {cfg.model.name}: {e}") from None
     if mesh.pp > 1:  # this rank's stage of the whole model (initialised alike on every rank)
         try:
             if info.kind == "llama":
                 model.pipeline_stage(mesh.stage, mesh.pp)
+            elif getattr(model, "takes_layout", False):
+                pass  # an HF MoE model, already cut to this rank's stage (_hf_moe)
             else:
                 from ..models.hf_stage import hf_pipeline_stage
 
