@@ -12,7 +12,8 @@ module with the stage protocol the step executor runs::
 The first stage embeds ``input_ids`` (T,); a later stage takes ``hidden`` (T, hidden_size); the
 last returns logits (T, V) (final norm, LM head), the others hidden states (T, hidden_size).
 ``aux`` is a zero (HF's own router balance loss is not part of the unsplit model's training
-either: the executor uses its logits only). Each kept decoder layer runs as the model's own
+either: the executor uses its logits only; an HF Mixtral's stage with its balance loss made exact
+under HDP is :class:`bytescale.models.hf_moe.HFMoEStage`). Each kept decoder layer runs as the model's own
 forward runs it: batch dimension 1, the rotary module's position embeddings for
 ``position_ids``, attention through ``attn_implementation="bytescale"`` under ``layout`` made the
 current micro-batch layout (also in the recomputation of activation checkpointing).

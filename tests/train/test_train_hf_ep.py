@@ -7,8 +7,9 @@ runs below train the same objective:
 R: 4 ranks, experts replicated (EP 1), 4 steps, the reference.
 A: 4 ranks, EP 2, 4 steps, a checkpoint at step 2.
 B: 4 ranks, EP 4, resumed from A's step 2 (each rank's expert read by its global name).
-Every step of A and B sees R's global batch, R's loss, balance loss and gradient norm. A dense HF
-model with ``--ep`` is refused with the reason.
+C: 4 ranks, PP 2 x EP 2 (HDP 2 per stage), 4 steps; F: 4 ranks, EP 2 x FSDP2, 4 steps.
+Every step of A, B, C and F sees R's global batch, R's loss, balance loss and gradient norm
+(float32: 1e-5). A dense HF model with ``--ep`` is refused with the reason.
 """
 from __future__ import annotations
 
@@ -53,6 +54,16 @@ def test_hf_mixtral_with_ep_trains_like_replicated_experts(configs, tmp_path):
     b = logged_run(tmp_path, "B", 4, COMMON + model + ["--ep", "4", "--checkpoint-dir", tmp_path / "ckB",
                                                        "--resume-from", tmp_path / "ckA" / "step-00000002"])
     assert_same_steps(ref, b, range(2, STEPS))
+    # PP x EP: each stage's experts over its EP group, the stages' balance losses summed
+    c = logged_run(tmp_path, "C", 4, COMMON + model + ["--pp", "2", "--ep", "2"])
+    # EP x FSDP2: the dense parameters sharded over the HDP ranks, the experts left out of it
+    f = logged_run(tmp_path, "F", 4, COMMON + model + ["--fsdp", "--ep", "2"])
+    assert "FSDP2" in f["out"]
+    for run in (c, f):
+        assert_same_steps(ref, run, range(STEPS))
+        for r in run["metrics"]:
+            w = ref["metrics"][r["step"]]["aux_loss"]
+            assert math.isclose(r["aux_loss"], w, rel_tol=1e-5), (r["step"], r["aux_loss"], w)
 
 
 def test_ep_with_a_dense_hf_model_is_a_clear_error(configs):
