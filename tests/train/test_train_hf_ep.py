@@ -9,7 +9,8 @@ A: 4 ranks, EP 2, 4 steps, a checkpoint at step 2.
 B: 4 ranks, EP 4, resumed from A's step 2 (each rank's expert read by its global name).
 C: 4 ranks, PP 2 x EP 2 (HDP 2 per stage), 4 steps; F: 4 ranks, EP 2 x FSDP2, 4 steps.
 Every step of A, B, C and F sees R's global batch, R's loss, balance loss and gradient norm
-(float32: 1e-5). A dense HF model with ``--ep`` is refused with the reason.
+(float32: 1e-5). A dense HF model with ``--ep``, and an HF Mixtral with ``--ep`` and ``--tp``, are
+refused with the reason.
 """
 from __future__ import annotations
 
@@ -66,7 +67,10 @@ def test_hf_mixtral_with_ep_trains_like_replicated_experts(configs, tmp_path):
             assert math.isclose(r["aux_loss"], w, rel_tol=1e-5), (r["step"], r["aux_loss"], w)
 
 
-def test_ep_with_a_dense_hf_model_is_a_clear_error(configs):
+def test_ep_with_a_dense_hf_model_or_with_tp_is_a_clear_error(configs):
     res = launch(2, COMMON + ["--model", configs["llama"], "--ep", "2"], timeout=240)
     assert res.returncode != 0 and "needs a mixture-of-experts model" in res.stdout + res.stderr, \
         (res.stdout + res.stderr)[-2000:]
+    res = launch(4, COMMON + ["--model", configs["mixtral"], "--ep", "2", "--tp", "2"], timeout=240)
+    assert res.returncode != 0 and "HF models supports Mixtral" in res.stdout + res.stderr and \
+        "with tp=1" in res.stdout + res.stderr, (res.stdout + res.stderr)[-2000:]
