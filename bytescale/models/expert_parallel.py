@@ -82,11 +82,10 @@ def expert_parallel(model: nn.Module, mesh=None, ep_group: Optional[dist.Process
     from .llama import Llama
     from .moe import MoE
 
-    if is_hf_moe(model) and not any(isinstance(m, MoE) for m in model.modules()):
-        from .hf_moe import hf_moe_model
-
-        model = hf_moe_model(model)  # an HF Mixtral: the package's MoE blocks first (a new module)
-    if isinstance(model, Llama):
+    hf_whole = is_hf_moe(model) and not any(isinstance(m, MoE) for m in model.modules())
+    if hf_whole:  # an HF Mixtral, not yet on the package's MoE blocks
+        n_experts, what = int(model.config.num_local_experts), type(model).__name__
+    elif isinstance(model, Llama):
         n_experts, what = model.cfg.n_experts, "this Llama"
     else:
         blocks = [m for m in model.modules() if isinstance(m, MoE)]
@@ -104,6 +103,10 @@ def expert_parallel(model: nn.Module, mesh=None, ep_group: Optional[dist.Process
         ep_group, edp_group = mesh.group("ep"), mesh.group("edp")
     ep = 1 if ep_group is None else dist.get_world_size(ep_group)
     check_expert_parallel(n_experts, ep, what)
+    if hf_whole:  # checked first: a refusal leaves the caller's model whole
+        from .hf_moe import hf_moe_model
+
+        model = hf_moe_model(model)  # a new module
     if ep == 1:
         return model
     if edp_group is None:
