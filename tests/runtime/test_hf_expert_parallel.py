@@ -96,7 +96,7 @@ def _reference():
         (loss + aux).backward()
         opt.step()
         opt.zero_grad()
-        out.append((list(step.sample_ids), float(loss), float(aux)))
+        out.append((list(step.sample_ids), float(loss.detach()), float(aux.detach())))
     return _named(model), out
 
 
