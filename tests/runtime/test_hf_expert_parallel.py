@@ -106,12 +106,12 @@ def test_blocks_give_hf_logits_and_hf_balance_loss_for_one_layer():
     res = ref(input_ids=ids[None], position_ids=pos[None], output_router_logits=True)
     logits, aux = ours(ids, pos, layout=Layout.local([40]), global_tokens=40, return_aux=True)
     assert torch.equal(logits, res.logits[0])
-    assert float(aux.detach()) == pytest.approx(COEF * float(res.aux_loss), rel=1e-6)  # HF's is float32
+    assert float(aux.detach()) == pytest.approx(COEF * float(res.aux_loss.detach()), rel=1e-6)  # HF's is float32
     # two documents of the global batch's 60 tokens: each its share of the loss, HF's per document
     lens = [25, 15]
     pos2 = torch.cat([torch.arange(n) for n in lens])
     _, aux2 = ours(ids, pos2, layout=Layout.local(lens), global_tokens=60, return_aux=True)
-    want = sum(n / 60 * COEF * float(ref(input_ids=d[None], output_router_logits=True).aux_loss)
+    want = sum(n / 60 * COEF * float(ref(input_ids=d[None], output_router_logits=True).aux_loss.detach())
                for n, d in zip(lens, ids.split(lens)))
     assert float(aux2.detach()) == pytest.approx(want, rel=1e-6)
     # expert names: per expert at any EP degree, HF's fused form recovered exactly
