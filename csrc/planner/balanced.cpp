@@ -55,6 +55,10 @@ struct Pass {
 };
 
 constexpr int kCandidates = 6;  // candidate start times examined per ring
+// ... under a binding peer budget (IntervalTimeline::choose): 6 cost 3-5% of the step at 1,024
+// ranks and 2K-4K capacity on the github batch, 24 up to 3.8%, 64 at most 0.2%
+// (benchmarks/RESULTS.md, "Peer budget").
+constexpr int kIntervalCandidates = 64;
 
 class Planner {
  public:
@@ -244,7 +248,7 @@ class Planner {
         if (!fits) d = avail;
         return IntervalTimeline::Size{d, fits, t + cm_.shardedTime(rc.s, d) / v};
       };
-      const IntervalTimeline::Choice c = it.choose(sh.lo, sh.best, kCandidates, H, sizer);
+      const IntervalTimeline::Choice c = it.choose(sh.lo, sh.best, kIntervalCandidates, H, sizer);
       if (c.start < 0) throw std::logic_error("planner: no interval for a ring (world too small?)");
       const int pidx = static_cast<int>(out.ring_seq.size());
       double ms = 1e300;

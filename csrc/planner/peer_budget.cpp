@@ -101,11 +101,10 @@ int IntervalTimeline::widest(double t) const {
   return best;
 }
 
-bool IntervalTimeline::window(double t, int d, int& best_start, double& best_waste) const {
-  // prefix sums of free times at run starts; the sum over ranks [x, y) from them
+bool IntervalTimeline::window(double t, int d, const std::vector<double>& P, int& best_start,
+                              double& best_waste) const {
+  // P: prefix sums of free times at run starts; the sum over ranks [x, y) from them
   const size_t R = t_.size();
-  std::vector<double> P(R + 1, 0.0);
-  for (size_t k = 0; k < R; ++k) P[k + 1] = P[k] + (start_[k + 1] - start_[k]) * t_[k];
   auto F = [&](int x) {
     if (x >= W_) return P[R];
     const size_t k = static_cast<size_t>(std::upper_bound(start_.begin(), start_.end(), x) - start_.begin()) - 1;
@@ -153,6 +152,8 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
     if (widest(times[mid]) >= lo) hi_i = mid;
     else lo_i = mid + 1;
   }
+  std::vector<double> P(t_.size() + 1, 0.0);
+  for (size_t k = 0; k < t_.size(); ++k) P[k + 1] = P[k] + (start_[k + 1] - start_[k]) * t_[k];
   Choice best;
   bool have = false, best_fits = false;
   double best_waste = 0, best_finish = 0;
@@ -165,7 +166,7 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
     const Size sz = sizer(t, avail);
     int start = -1;
     double waste = 0;
-    if (sz.d < 1 || sz.d > avail || !window(t, sz.d, start, waste)) continue;
+    if (sz.d < 1 || sz.d > avail || !window(t, sz.d, P, start, waste)) continue;
     bool better;
     if (!have) better = true;
     else if (sz.fits != best_fits) better = sz.fits;

@@ -66,7 +66,8 @@ class IntervalTimeline {
   };
   // The balanced strategy's choice (balanced.cpp's file comment) over intervals: candidate start
   // times are the run times from the earliest instant an interval of `lo` ranks is free, at most
-  // `candidates` of them; at each, the size from `sizer` and the interval of that size free by t
+  // `candidates` of them (more than the unbounded planner's 6: an interval is free later than as
+  // many scattered ranks, so later starts are worth a look); at each, the size from `sizer` and the interval of that size free by t
   // that wastes least (the sum of t - free over its ranks; then the lowest start). Among the
   // candidates ending within H the least waste wins (then the earliest), else the earliest end.
   Choice choose(int lo, int cap, int candidates, double H, const Sizer& sizer) const;
@@ -84,7 +85,7 @@ class IntervalTimeline {
   // widest stretch of consecutive ranks free by t
   int widest(double t) const;
   // the least-waste window of d ranks free by t: start and waste (false when none)
-  bool window(double t, int d, int& start, double& waste) const;
+  bool window(double t, int d, const std::vector<double>& prefix, int& start, double& waste) const;
 };
 
 }  // namespace detail
