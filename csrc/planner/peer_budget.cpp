@@ -88,31 +88,22 @@ void IntervalTimeline::occupy(int a, int d, double until) {
   t_.erase(t_.begin() + k0 + 1, t_.begin() + k1);
 }
 
-int IntervalTimeline::widest(double t) const {
-  int best = 0, run = 0;
-  for (size_t k = 0; k < t_.size(); ++k) {
-    if (t_[k] <= t) {
-      run += start_[k + 1] - start_[k];
-      best = std::max(best, run);
-    } else {
-      run = 0;
-    }
-  }
-  return best;
-}
-
 bool IntervalTimeline::window(double t, int d, const std::vector<double>& P, int& best_start,
                               double& best_waste) const {
-  // P: prefix sums of free times at run starts; the sum over ranks [x, y) from them
+  // P: prefix sums of free times at run starts. F(x): the sum over ranks [0, x), with a pointer
+  // per monotone sequence of x (x at run starts + d, and run ends - d, both increase along runs).
   const size_t R = t_.size();
-  auto F = [&](int x) {
+  struct Cursor {
+    size_t k = 0;
+  };
+  auto F = [&](int x, Cursor& c) {
     if (x >= W_) return P[R];
-    const size_t k = static_cast<size_t>(std::upper_bound(start_.begin(), start_.end(), x) - start_.begin()) - 1;
-    return P[k] + (x - start_[k]) * t_[k];
+    while (start_[c.k + 1] <= x) ++c.k;
+    return P[c.k] + (x - start_[c.k]) * t_[c.k];
   };
   bool have = false;
-  auto consider = [&](int x) {
-    const double waste = d * t - (F(x + d) - F(x));
+  auto consider = [&](int x, double sum) {
+    const double waste = d * t - sum;
     if (!have || waste < best_waste || (waste == best_waste && x < best_start)) {
       have = true;
       best_waste = waste;
@@ -121,6 +112,7 @@ bool IntervalTimeline::window(double t, int d, const std::vector<double>& P, int
   };
   // The waste of a window is piecewise linear in its start, so a best window starts at a run's
   // start or ends at a run's end, inside a stretch of runs free by t.
+  Cursor after_start, before_end;
   size_t k = 0;
   while (k < R) {
     if (t_[k] > t) {
@@ -132,8 +124,9 @@ bool IntervalTimeline::window(double t, int d, const std::vector<double>& P, int
     const int S = start_[k], E = start_[e];
     if (E - S >= d)
       for (size_t j = k; j < e; ++j) {
-        if (start_[j] + d <= E) consider(start_[j]);
-        if (start_[j + 1] - d >= S) consider(start_[j + 1] - d);
+        if (start_[j] + d <= E) consider(start_[j], F(start_[j] + d, after_start) - P[j]);
+        const int x = start_[j + 1] - d;
+        if (x >= S) consider(x, P[j + 1] - F(x, before_end));
       }
     k = e;
   }
@@ -142,27 +135,54 @@ bool IntervalTimeline::window(double t, int d, const std::vector<double>& P, int
 
 IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidates, double H,
                                                   const Sizer& sizer) const {
-  std::vector<double> times(t_);
-  std::sort(times.begin(), times.end());
-  times.erase(std::unique(times.begin(), times.end()), times.end());
-  // the earliest time an interval of lo ranks is free (widest() grows with t)
-  size_t lo_i = 0, hi_i = times.size();
-  while (lo_i < hi_i) {
-    const size_t mid = (lo_i + hi_i) / 2;
-    if (widest(times[mid]) >= lo) hi_i = mid;
-    else lo_i = mid + 1;
+  const size_t R = t_.size();
+  // widest[i]: the widest stretch of consecutive ranks free by times[i], for every distinct run
+  // time at once: runs join their free neighbours in time order (union-find over runs).
+  std::vector<size_t> by_time(R);
+  for (size_t k = 0; k < R; ++k) by_time[k] = k;
+  std::stable_sort(by_time.begin(), by_time.end(), [&](size_t a, size_t b) { return t_[a] < t_[b]; });
+  std::vector<double> times;
+  std::vector<int> widest;
+  std::vector<size_t> parent(R);
+  std::vector<int> size(R, 0);
+  std::vector<char> on(R, 0);
+  auto find = [&](size_t x) {
+    while (parent[x] != x) x = parent[x] = parent[parent[x]];
+    return x;
+  };
+  int best_width = 0;
+  for (size_t q = 0; q < R; ++q) {
+    const size_t k = by_time[q];
+    parent[k] = k;
+    size[k] = start_[k + 1] - start_[k];
+    on[k] = 1;
+    for (size_t nb : {k - 1, k + 1}) {
+      if (nb >= R || !on[nb]) continue;  // k - 1 wraps to a huge index for k == 0
+      size_t a = find(k), b = find(nb);
+      if (a == b) continue;
+      if (size[a] < size[b]) std::swap(a, b);
+      parent[b] = a;
+      size[a] += size[b];
+    }
+    best_width = std::max(best_width, size[find(k)]);
+    if (q + 1 == R || t_[by_time[q + 1]] != t_[k]) {
+      times.push_back(t_[k]);
+      widest.push_back(best_width);
+    }
   }
-  std::vector<double> P(t_.size() + 1, 0.0);
-  for (size_t k = 0; k < t_.size(); ++k) P[k + 1] = P[k] + (start_[k + 1] - start_[k]) * t_[k];
+  std::vector<double> P(R + 1, 0.0);
+  for (size_t k = 0; k < R; ++k) P[k + 1] = P[k] + (start_[k + 1] - start_[k]) * t_[k];
   Choice best;
   bool have = false, best_fits = false;
   double best_waste = 0, best_finish = 0;
   int seen = 0;
-  for (size_t i = lo_i; i < times.size(); ++i) {
+  size_t i = 0;
+  while (i < times.size() && widest[i] < lo) ++i;  // the earliest time an interval of lo is free
+  for (; i < times.size(); ++i) {
     const double t = times[i];
     if (have && (seen >= candidates || (best_fits && t >= H))) break;
     ++seen;
-    const int avail = std::min(widest(t), cap);
+    const int avail = std::min(widest[i], cap);
     const Size sz = sizer(t, avail);
     int start = -1;
     double waste = 0;

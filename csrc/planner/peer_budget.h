@@ -82,8 +82,6 @@ class IntervalTimeline {
   int W_;
   std::vector<int> start_;   // run k covers [start_[k], start_[k+1]) (start_.back() == W_)
   std::vector<double> t_;    // run k's free time
-  // widest stretch of consecutive ranks free by t
-  int widest(double t) const;
   // the least-waste window of d ranks free by t: start and waste (false when none)
   bool window(double t, int d, const std::vector<double>& prefix, int& start, double& waste) const;
 };
