@@ -78,3 +78,12 @@ def test_peer_count_equals_the_ring_neighbours():
         assert after_reset == 0
         assert planned == len(_neighbours(rings, rank)) <= 4, (rank, planned, rings)
     assert any(len(r) > 2 for r in per_rank[0][3]), per_rank[0][3]
+
+
+def test_trainer_metrics_carry_the_peer_count():
+    from bytescale.comm.traffic import PURPOSES, Traffic
+    from bytescale.train.metrics import traffic_fields, traffic_row
+
+    rows = [traffic_row(Traffic(rows={p: (0, 0, 0) for p in PURPOSES}, ring_wait_s=0.0, peers=k)) for k in (3, 4)]
+    fields = traffic_fields(torch.tensor(rows, dtype=torch.float64))
+    assert fields["p2p_peers"] == [3, 4]
