@@ -45,6 +45,9 @@ class PlannerConfig:
         literal Eq. 3, for the ablation); see :func:`bytescale.plan`.
     cost: a CostModel, a JSON profile path, a dict of coefficients, or None (defaults).
     speed, memory: per-rank relative speed and capacity multipliers (heterogeneous clusters).
+    peer_budget: at most this many distinct ring neighbours per rank over the whole run (default
+        4; 0: unbounded; otherwise >= 4): bounds NCCL's point-to-point buffers at any scale (see
+        :func:`bytescale.plan`).
     """
 
     capacity: int = option(help="tokens per micro-batch per rank (per HDP unit with tensor parallelism)",
@@ -59,6 +62,8 @@ class PlannerConfig:
     static_cp: Optional[int] = option(None, "CP degree of the static baseline (none: sized for the longest "
                                             "document)", min=1)
     pp: int = option(1, "pipeline stages the plan is for (the mesh's pp; slots and the 1F1B replay)", min=1)
+    peer_budget: int = option(4, "most distinct ring neighbours per rank over the run (0: unbounded; else >= 4)",
+                              min=0)
 
     def __post_init__(self) -> None:
         if isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 1:
@@ -72,6 +77,10 @@ class PlannerConfig:
             raise ValueError(f"PlannerConfig.static_cp must be an integer >= 1 (or None), got {self.static_cp!r}")
         if isinstance(self.pp, bool) or not isinstance(self.pp, int) or self.pp < 1:
             raise ValueError(f"PlannerConfig.pp must be an integer >= 1, got {self.pp!r}")
+        if (isinstance(self.peer_budget, bool) or not isinstance(self.peer_budget, int) or self.peer_budget < 0
+                or 0 < self.peer_budget < 4):
+            raise ValueError(f"PlannerConfig.peer_budget must be 0 (unbounded) or an integer >= 4, "
+                             f"got {self.peer_budget!r}")
         if self.offload_rule not in ("step", "paper-eq3"):
             raise ValueError(f"PlannerConfig.offload_rule {self.offload_rule!r} is not 'step' or 'paper-eq3'")
         if self.strategy == "static" and self.offload:
@@ -85,7 +94,8 @@ class PlannerConfig:
 
         return plan(lengths, world_size=world_size, capacity=self.capacity, strategy=self.strategy,
                     offload=self.offload, cost=self.cost, speed=self.speed, memory=self.memory,
-                    static_cp=self.static_cp, offload_rule=self.offload_rule, pp=self.pp)
+                    static_cp=self.static_cp, offload_rule=self.offload_rule, pp=self.pp,
+                    peer_budget=self.peer_budget)
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,7 @@ def plan(
     pp: int = 1,
     pipeline: Optional[Dict[str, float]] = None,
     offload_rule: str = "step",
+    peer_budget: int = 4,
 ) -> Plan:
     """Plan one global batch.
 
@@ -115,6 +116,12 @@ def plan(
             kept for the ablation: naive and pow2 put every long sequence on its Eq. 3 minimum
             ring whatever that does to the step (a 2M-token sequence on 16 ranks whose ring then
             is the step).
+        peer_budget: K, the most distinct ring neighbours a rank may have over the whole run
+            (default 4; 0: unbounded, the plans of the planner before the budget, byte for
+            byte). NCCL keeps point-to-point buffers per peer for good, so this bounds their
+            memory at any scale: rings are intervals of the unit order (the ranks of a node
+            together), members ordered a, a+2, a+4, ..., a+3, a+1, so a unit's neighbours are
+            always among u-2 .. u+2 (csrc/planner/peer_budget.h). 1..3 raise ValueError.
     Raises:
         ValueError: bad input, naming the index/field and value (a length that is not an integer
             >= 1, a NaN or negative cost coefficient, world size 0, a sequence needing more ranks
@@ -129,7 +136,7 @@ def plan(
     units = world_size if isinstance(world_size, UnitMap) else None
     arr = _lengths_array(lengths)
     opts = _options(units.num_units if units else world_size, capacity, strategy, offload, cost, speed, memory,
-                    static_cp, pp, pipeline, offload_rule)
+                    static_cp, pp, pipeline, offload_rule, peer_budget)
     p = Plan(_C.planner.make_plan(arr, opts), arr, units, opts, dims=dims)
     if verify:
         p.raw.verify(arr.tolist(), opts)

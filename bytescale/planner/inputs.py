@@ -103,10 +103,14 @@ def _options(world_size: int, capacity: int, strategy: str, offload: bool, cost:
              speed: Optional[Sequence[float]], memory: Optional[Sequence[float]],
              static_cp: Optional[int] = None, pp: int = 1,
              pipeline: Optional[Dict[str, float]] = None,
-             offload_rule: str = "step") -> "_C.planner.PlanOptions":
+             offload_rule: str = "step", peer_budget: int = 4) -> "_C.planner.PlanOptions":
     if offload_rule not in OFFLOAD_RULES:
         raise ValueError(f"plan(): offload_rule must be one of {OFFLOAD_RULES}, got {offload_rule!r}")
+    if (isinstance(peer_budget, (bool, np.bool_)) or not isinstance(peer_budget, (int, np.integer))
+            or peer_budget < 0 or 0 < peer_budget < 4):
+        raise ValueError(f"plan(): peer_budget must be 0 (unbounded) or an integer >= 4, got {peer_budget!r}")
     o = _C.planner.PlanOptions()
+    o.peer_budget = int(peer_budget)
     o.offload_rule = offload_rule
     o.pp = _positive_int("pp", pp)
     for k, v in (pipeline or {}).items():

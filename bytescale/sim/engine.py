@@ -8,8 +8,10 @@ model, :mod:`bytescale.sim.model`):
   varlen kernel call per layer);
 * ring communication (ring size d > 1): ``d - 1`` ring steps, each moving this rank's K/V shard
   forward and K/V plus their gradients backward (3 transfers of ``kv_bytes x tokens`` at the link's
-  bandwidth, plus 3 latencies). The link is NVLink when all members sit on one node, the inter-node
-  link otherwise (a ring advances at its slowest hop). Each step overlaps with that step's
+  bandwidth, plus 3 latencies). The link is NVLink when no hop of the ring, in its actual member
+  order, leaves a node (``Schedule.ring_node_hops``), the inter-node link otherwise (a ring
+  advances at its slowest hop). Under the planner's peer budget a ring is an interval of ranks, so
+  a ring that fits a node stays on NVLink. Each step overlaps with that step's
   attention block (``a1 x attn / d``); what compute does not cover is exposed:
   ``(d-1) x max(0, step_comm - a1 attn / d)``; where the cluster has a measured price of ring
   micro-batches (``ring_a1 x attn + ring_b1 x tokens + (ring_step_s + ring_doc_step_s x docs) x

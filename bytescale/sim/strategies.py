@@ -156,19 +156,29 @@ class Schedule:
         """The rank of each micro-batch."""
         return np.repeat(np.arange(self.world), np.diff(self.rank_mb))
 
-    def ring_crosses_nodes(self, gpus_per_node: int) -> np.ndarray:
-        """bool [rings]: does the ring's group span more than one node?"""
+    def ring_node_hops(self, gpus_per_node: int) -> np.ndarray:
+        """int64 [rings]: the hops of each ring, in its member order (the last member's next is
+        the first), whose two ends sit on different nodes (ranks ``r // gpus_per_node``). A ring
+        of the planner's peer budget (intervals, hops of <= 2 positions) over k nodes has about 2
+        per node boundary it spans; a ring inside one node has none."""
         n = self.ring_grp.shape[0] - 1
         if n == 0:
-            return np.zeros(0, dtype=bool)
-        node = self.grp_ranks.astype(np.int64) // gpus_per_node
-        starts = self.ring_grp[:-1]
-        nonempty = np.diff(self.ring_grp) > 0
-        lo = np.minimum.reduceat(node, starts[nonempty]) if node.size else np.zeros(0, np.int64)
-        hi = np.maximum.reduceat(node, starts[nonempty]) if node.size else np.zeros(0, np.int64)
-        out = np.zeros(n, dtype=bool)
-        out[nonempty] = lo != hi
+            return np.zeros(0, dtype=np.int64)
+        grp = np.asarray(self.ring_grp, dtype=np.int64)
+        node = np.asarray(self.grp_ranks, dtype=np.int64) // gpus_per_node
+        nxt = np.arange(node.size) + 1
+        sizes = np.diff(grp)
+        nonempty = sizes > 0
+        nxt[grp[1:][nonempty] - 1] = grp[:-1][nonempty]  # the wrap-around hop
+        cross = (node != node[nxt]).astype(np.int64) if node.size else np.zeros(0, np.int64)
+        out = np.zeros(n, dtype=np.int64)
+        out[nonempty] = np.add.reduceat(cross, grp[:-1][nonempty]) if cross.size else 0
         return out
+
+    def ring_crosses_nodes(self, gpus_per_node: int) -> np.ndarray:
+        """bool [rings]: does some hop of the ring, in its member order, leave its node? (A ring
+        advances at its slowest hop: one network hop prices the whole ring on the network.)"""
+        return self.ring_node_hops(gpus_per_node) > 0
 
 
 def split_at_context(lengths: np.ndarray, context: int) -> np.ndarray:

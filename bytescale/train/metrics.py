@@ -70,7 +70,8 @@ def peak_flops(device: torch.device, given_tflops: float = 0.0) -> float:
 
 def traffic_row(moved: Any) -> List[float]:
     """One rank's step traffic (a :class:`bytescale.comm.traffic.Traffic`) as numbers to all-gather."""
-    return [float(moved.sent(p)) for p in _SENT] + [float(moved.ring_steps), moved.ring_wait_s]
+    return [float(moved.sent(p)) for p in _SENT] + [float(moved.ring_steps), moved.ring_wait_s,
+                                                   float(getattr(moved, "peers", 0))]
 
 
 def _ring_mb(rec: Dict[str, Any]) -> float:
@@ -82,7 +83,9 @@ def traffic_fields(table: torch.Tensor) -> Dict[str, Any]:
     k = len(_SENT)
     return {"comm_bytes": {p: int(table[:, i].sum()) for i, p in enumerate(_SENT)},
             "ring_steps": [int(x) for x in table[:, k].tolist()],
-            "ring_wait_s": [round(float(x), 6) for x in table[:, k + 1].tolist()]}
+            "ring_wait_s": [round(float(x), 6) for x in table[:, k + 1].tolist()],
+            # distinct point-to-point peers per rank since it started (bytescale.comm.traffic)
+            **({"p2p_peers": [int(x) for x in table[:, k + 2].tolist()]} if table.shape[1] > k + 2 else {})}
 
 
 def read_jsonl(path: str) -> List[Dict[str, Any]]:

@@ -254,11 +254,15 @@ void bind_comm(py::module_& m) {
               py::make_tuple(r.sent_bytes, r.recv_bytes, r.ops);
         }
         out["ring_wait_ns"] = snap.ring_wait_ns;
+        out["peers"] = snap.peers;
         return out;
       },
       py::arg("reset") = false,
       "This process's traffic counters: {purpose: (bytes sent, bytes received, ring steps or "
-      "collectives)} plus ring_wait_ns; reset=True restarts them from zero.");
+      "collectives)} plus ring_wait_ns and peers (distinct point-to-point peers, cumulative); "
+      "reset=True restarts them from zero (all but peers).");
+  m.def("reset_traffic_peers", &comm::resetTrafficPeers,
+        "Forget the point-to-point peers counted so far (comm/traffic.h).");
   m.def(
       "set_traffic_scope",
       [](const std::string& name) {

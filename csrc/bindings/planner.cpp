@@ -141,6 +141,9 @@ void bind_planner(py::module_& m) {
           [](PlanOptions& o, const std::string& s) { o.offload_rule = planner::parseOffloadRule(s); },
           "how offloading may shrink rings: 'step' (Eq. 3 under the step's clock, default) or "
           "'paper-eq3' (the paper's literal Eq. 3, for the ablation)")
+      .def_readwrite("peer_budget", &PlanOptions::peer_budget,
+                     "at most this many distinct ring neighbours per rank over the run (0: unbounded; "
+                     ">= 4; csrc/planner/peer_budget.h)")
       .def_readwrite("static_cp", &PlanOptions::static_cp,
                      "strategy 'static': the CP degree (0: sized for the step's longest sequence)")
       .def_property(

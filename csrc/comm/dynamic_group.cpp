@@ -55,8 +55,9 @@ c10::intrusive_ptr<c10d::Work> DynamicGroupBackend::ringExchange(const at::Tenso
     TORCH_CHECK(send.scalar_type() == recv.scalar_type(), "bytescale ", what, ": send dtype ",
                 send.scalar_type(), " != recv dtype ", recv.scalar_type());
   auto tr = requireTransport(device, what);
-  return tr->post(Transport::ringStepOps(send, rankMap().next(), recv, rankMap().prev()),
-                  std::move(inf));
+  const auto ops = Transport::ringStepOps(send, rankMap().next(), recv, rankMap().prev());
+  tr->countPeers(ops);
+  return tr->post(ops, std::move(inf));
 }
 
 }  // namespace comm

@@ -376,7 +376,9 @@ void CollectiveBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool 
 c10::intrusive_ptr<c10d::Work> CollectiveBackend::postP2P(c10::DeviceType device,
                                                           const std::vector<P2POp>& ops,
                                                           WorkInfo info) {
-  return p2pTransport(device, info.what)->post(ops, std::move(info));
+  auto tr = p2pTransport(device, info.what);
+  tr->countPeers(ops);
+  return tr->post(ops, std::move(info));
 }
 
 c10::intrusive_ptr<c10d::Work> CollectiveBackend::p2p(P2POp::Kind kind,

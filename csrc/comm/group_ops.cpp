@@ -159,12 +159,16 @@ void broadcast(Transport& tr, const RankMap& g, const at::Tensor& t, int root,
   if (rel == 0) {
     std::vector<P2POp> ops;
     for (int c = 0; c < chunks; ++c) ops.push_back({P2POp::kSend, g.next(), chunk(c)});
+    tr.countPeers(ops);
     tr.exchange(ops, what)->wait();
   } else if (rel == n - 1) {
     std::vector<P2POp> ops;
     for (int c = 0; c < chunks; ++c) ops.push_back({P2POp::kRecv, g.prev(), chunk(c)});
+    tr.countPeers(ops);
     tr.exchange(ops, what)->wait();
   } else {
+    countPeer(&tr, g.prev());
+    countPeer(&tr, g.next());
     tr.exchange({{P2POp::kRecv, g.prev(), chunk(0)}}, what)->wait();
     for (int c = 0; c < chunks; ++c) {
       std::vector<P2POp> ops{{P2POp::kSend, g.next(), chunk(c)}};

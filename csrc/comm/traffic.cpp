@@ -1,6 +1,10 @@
 // Per-process traffic counters (traffic.h).
 #include "comm/traffic.h"
 
+#include <mutex>
+#include <set>
+#include <utility>
+
 namespace bytescale {
 namespace comm {
 
@@ -19,6 +23,17 @@ Counters& counters() {
 }
 
 thread_local Traffic current_scope = Traffic::kOther;
+
+struct Peers {
+  std::mutex mu;
+  std::set<std::pair<const void*, int>> seen;
+  std::atomic<int64_t> count{0};
+};
+
+Peers& peers() {
+  static Peers p;
+  return p;
+}
 
 int64_t take(std::atomic<int64_t>& a, bool reset) {
   return reset ? a.exchange(0, std::memory_order_relaxed) : a.load(std::memory_order_relaxed);
@@ -56,7 +71,23 @@ TrafficSnapshot trafficSnapshot(bool reset) {
     s.rows[i].ops = take(c.ops[i], reset);
   }
   s.ring_wait_ns = take(c.wait_ns, reset);
+  s.peers = trafficPeers();
   return s;
+}
+
+void countPeer(const void* transport, int peer) {
+  auto& p = peers();
+  std::lock_guard<std::mutex> lock(p.mu);
+  if (p.seen.emplace(transport, peer).second) p.count.fetch_add(1, std::memory_order_relaxed);
+}
+
+int64_t trafficPeers() { return peers().count.load(std::memory_order_relaxed); }
+
+void resetTrafficPeers() {
+  auto& p = peers();
+  std::lock_guard<std::mutex> lock(p.mu);
+  p.seen.clear();
+  p.count.store(0, std::memory_order_relaxed);
 }
 
 Traffic setTrafficScope(Traffic t) {

@@ -33,13 +33,24 @@ struct TrafficSnapshot {
   };
   std::array<Row, static_cast<int>(Traffic::kCount)> rows{};
   int64_t ring_wait_ns = 0;  // time ring attention blocked waiting for its ring partners
+  int64_t peers = 0;         // distinct point-to-point peers so far (countPeer; never reset here)
 };
 
 // Adds to the process's counters (thread-safe).
 void countTraffic(Traffic t, int64_t sent_bytes, int64_t recv_bytes);
 void countRingWait(int64_t ns);
-// The counters now; with reset, they restart from zero.
+// The counters now; with reset, they restart from zero (all but `peers`, see countPeer).
 TrafficSnapshot trafficSnapshot(bool reset);
+
+// Point-to-point peers: every send or receive of tensor data a transport is handed (ring steps,
+// send / recv / isend / irecv, a dynamic group's ring step, the chunked ring broadcast of group
+// collectives) records (transport, peer). The count of distinct pairs is what NCCL keeps
+// point-to-point buffers for (per communicator and peer, never freed; NCCL issue #2294), so it
+// is cumulative: trafficSnapshot(reset) leaves it, resetTrafficPeers() clears it. Not counted:
+// the agreement primitive's digests and barrier tokens (on CUDA they run over the host channel).
+void countPeer(const void* transport, int peer);
+int64_t trafficPeers();
+void resetTrafficPeers();
 
 // Sets the purpose of the current thread's traffic; returns the previous one (Python's scope).
 Traffic setTrafficScope(Traffic t);

@@ -114,7 +114,13 @@ class Transport {
     // One ring step, counted under the calling thread's TrafficScope (comm/traffic.h).
     countTraffic(TrafficScope::current(), send.defined() ? static_cast<int64_t>(send.nbytes()) : 0,
                  recv.defined() ? static_cast<int64_t>(recv.nbytes()) : 0);
-    return exchange(ringStepOps(send, next, recv, prev), what);
+    const auto ops = ringStepOps(send, next, recv, prev);
+    countPeers(ops);
+    return exchange(ops, what);
+  }
+  // Records the peers of `ops` on this transport (comm/traffic.h: countPeer).
+  void countPeers(const std::vector<P2POp>& ops) const {
+    for (const auto& op : ops) countPeer(this, op.peer);
   }
   static std::vector<P2POp> ringStepOps(const at::Tensor& send, int next, const at::Tensor& recv,
                                         int prev) {

@@ -17,12 +17,12 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
-#include <random>
 #include <stdexcept>
 #include <string>
 
 #include "planner/builder.h"
 #include "planner/listsched.h"
+#include "planner/peer_budget.h"
 
 namespace bytescale {
 namespace planner {
@@ -55,6 +55,10 @@ struct Pass {
 };
 
 constexpr int kCandidates = 6;  // candidate start times examined per ring
+// ... under a binding peer budget (IntervalTimeline::choose): 6 cost 3-5% of the step at 1,024
+// ranks and 2K-4K capacity on the github batch, 24 up to 3.8%, 64 at most 0.2%
+// (benchmarks/RESULTS.md, "Peer budget").
+constexpr int kIntervalCandidates = 64;
 
 class Planner {
  public:
@@ -230,6 +234,41 @@ class Planner {
     if (!ctx_.uniform) sortBySpeed(dst);
   }
 
+  // Under a binding peer budget (peer_budget.h): each ring on an interval of ranks free by its
+  // start (IntervalTimeline::choose, the same rule as placeRing's), then `tl` as placeRing leaves
+  // it. Mixed speeds: sized at the slowest rank's pace, timed at the members' slowest.
+  void placeIntervals(const std::vector<RingCand>& rings, double H, Timeline& tl, Pass& out) {
+    IntervalTimeline it(ctx_.W);
+    const double v = ctx_.speed_min;
+    for (const RingCand& rc : rings) {
+      const RingShape& sh = rc.shape;
+      auto sizer = [&](double t, int avail) {
+        int d = minRanksWithin(cm_, rc.s, sh, (H - t) * v);
+        const bool fits = d > 0 && d <= avail;
+        if (!fits) d = avail;
+        return IntervalTimeline::Size{d, fits, t + cm_.shardedTime(rc.s, d) / v};
+      };
+      const IntervalTimeline::Choice c = it.choose(sh.lo, sh.best, kIntervalCandidates, H, sizer);
+      if (c.start < 0) throw std::logic_error("planner: no interval for a ring (world too small?)");
+      const int pidx = static_cast<int>(out.ring_seq.size());
+      double ms = 1e300;
+      for (int r = c.start; r < c.start + c.d; ++r) {
+        out.members.push_back(r);
+        ms = std::min(ms, ctx_.speed[r]);
+        const double f = it.freeAt(r);
+        if (f < c.t) out.gaps.push_back({r, (c.t - f) * ctx_.speed[r], pidx});
+      }
+      const double height = cm_.shardedTime(rc.s, c.d) / ms;
+      out.ring_seq.push_back(rc.seq);
+      out.ring_start.push_back(c.t);
+      out.ring_height.push_back(height);
+      out.ring_off.push_back(static_cast<int64_t>(out.members.size()));
+      it.occupy(c.start, c.d, c.t + height);
+    }
+    tl.clear();
+    it.each([&](int r, double t) { tl[t].push_back(r); });
+  }
+
   // Ranks of a bucket in the order they are taken (from the back): fastest first, then lowest rank.
   void sortBySpeed(std::vector<int>& b) const {
     std::sort(b.begin(), b.end(), [&](int a, int c) {
@@ -290,7 +329,8 @@ class Planner {
                          [&](int a, int b) { return ctx_.speed[a] < ctx_.speed[b]; });
       tl.emplace(0.0, std::move(all));
     }
-    for (const RingCand& rc : rings) placeRing(rc, H, tl, out);
+    if (ctx_.bounded) placeIntervals(rings, H, tl, out);
+    else for (const RingCand& rc : rings) placeRing(rc, H, tl, out);
     // Locals: best fit into the waits (free work), else the tail that finishes first. Tails are
     // heaps of (free time, rank), one per (speed, capacity) class.
     std::multimap<double, int> gap_room;
@@ -391,98 +431,6 @@ class Planner {
 }  // namespace
 
 Plan planBalanced(const Context& ctx, const BoundParts& bound) { return Planner(ctx, bound).run(); }
-
-Plan refineSmall(const Context& ctx, const BoundParts& bound, Plan incumbent) {
-  const double lb = bound.value();
-  const int W = ctx.W;
-  const int n = static_cast<int>(ctx.len.size());
-  if (W < 2 || n == 0 || incumbent.makespan <= lb * (1 + kRefineTolerance)) return incumbent;
-  if (static_cast<double>(n) * W > kRefineCells || ListModel::mixCount(ctx.opt) > kRefineMixes)
-    return incumbent;
-  const ListModel M(ctx.len, ctx.opt, kRefineMixes);
-  double best = incumbent.makespan * (1 - 1e-9), best_h = kNoHorizon;
-  std::vector<int> best_order, best_mix;
-  auto consider = [&](const std::vector<int>& order, const std::vector<int>& mix, double h) {
-    const double step = M.step(order, mix, h);
-    if (step < best) {
-      best = step;
-      best_order = order;
-      best_mix = mix;
-      best_h = h;
-    }
-    return step;
-  };
-  // 1. The incumbent rebuilt as a list schedule (never longer), then orders decoded with mixes
-  //    chosen on the way: the least work ending by a horizon (a few from the bound up), or the
-  //    mix ending first.
-  std::vector<std::vector<int>> orders;
-  {
-    std::vector<int> order, mix;
-    if (M.fromPlan(incumbent, order, mix)) {
-      consider(order, mix, kNoHorizon);
-      orders.push_back(order);
-    }
-  }
-  orders.push_back(M.longestFirst());
-  const std::vector<int> open(n, -1);
-  for (const std::vector<int>& order : orders) {
-    consider(order, open, kNoHorizon);
-    // the least horizon whose schedule ends within it, bisected between the bound (tried
-    // first) and the best step so far
-    double lo = lb, hi = best;
-    for (int it = 0; it < 10 && hi > lo * (1 + 1e-3); ++it) {
-      const double h = it == 0 ? lo : 0.5 * (lo + hi);
-      if (consider(order, open, h) <= h * (1 + 1e-9)) hi = h;
-      else lo = h;
-    }
-  }
-  if (best_order.empty()) {
-    if (!M.fromPlan(incumbent, best_order, best_mix)) return incumbent;
-    best_h = kNoHorizon;
-  }
-  // 2. Searches from the best of those, on fixed budgets (deterministic: every rank plans the
-  //    same): a descent that re-inserts each sequence at every position with every mix; late-
-  //    acceptance hill climbing from it, from it with the open mixes chosen by the earliest end,
-  //    and from the longest-first order with every mix open, each polished by the descent; and,
-  //    for a handful of sequences, the exhaustive branch and bound on a node budget.
-  const int64_t evals = std::min<int64_t>(kRefineMaxEvals, kRefinePlacements / n);
-  int64_t used = 0;
-  auto keep = [&](std::vector<int>& order, std::vector<int>& mix, double h, double step) {
-    if (step < best) {
-      best = step;
-      best_order = std::move(order);
-      best_mix = std::move(mix);
-      best_h = h;
-    }
-  };
-  {
-    std::vector<int> order = best_order, mix = best_mix;
-    const double step = reinsertDescent(M, order, mix, best_h, evals / 2, used);
-    keep(order, mix, best_h, step);
-  }
-  std::mt19937_64 rng(0x5eed);
-  for (int run = 0; run < 3; ++run) {
-    std::vector<int> order = best_order, mix = best_mix;
-    const double h = run == 0 ? best_h : kNoHorizon;
-    if (run == 1) M.fix(order, mix, best_h);  // the open mixes as the best schedule chose them
-    if (run == 2) {
-      order = M.longestFirst();
-      mix = open;
-    }
-    double step = lateAcceptance(M, order, mix, h, evals / 6, rng, used);
-    step = std::min(step, reinsertDescent(M, order, mix, h, evals / 6, used));
-    keep(order, mix, h, step);
-  }
-  if (n <= kRefineSearchSequences && W <= kRefineSearchRanks) {
-    std::vector<int> order = best_order, mix = best_mix;
-    M.fix(order, mix, best_h);
-    const SearchResult r = branchAndBound(M, best, kRefineNodes, order, mix);
-    if (r.improved) keep(order, mix, best_h, r.step);
-  }
-  if (best_order.empty() || !(best < incumbent.makespan * (1 - 1e-9))) return incumbent;
-  Plan p = M.build(best_order, best_mix, best_h, "balanced");
-  return p.makespan < incumbent.makespan ? p : incumbent;
-}
 
 }  // namespace detail
 }  // namespace planner

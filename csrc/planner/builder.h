@@ -34,6 +34,7 @@ struct Context {
   int64_t cap_min, cap_max;
   double speed_sum, speed_max, speed_min;
   bool uniform;               // every rank has the same speed and capacity
+  bool bounded;               // the peer budget binds (peer_budget.h): rings are intervals
   std::vector<int64_t> order; // sequence indices, longest first (ties: input position)
   Context(const std::vector<int64_t>& lengths, const PlanOptions& o);
   // Memory minimum of ranks (Eq. 3 when offloading) of a sequence at the smallest capacity.
@@ -57,7 +58,8 @@ struct Builder {
 
   explicit Builder(const Context& c) : ctx(c) {}
 
-  // Appends one ring micro-batch to every member (ring order = ascending rank) with the next
+  // Appends one ring micro-batch to every member (ring order = ascending rank; under a binding
+  // peer budget the members must be an interval, ordered as peer_budget.h says) with the next
   // global ring id and the given per-rank cost: the n sequences `seqs`, each sharded zig-zag over
   // the members, in that order.
   void appendRing(const int64_t* seqs, size_t n, std::vector<int> members, double ratio, double cost);

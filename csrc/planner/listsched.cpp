@@ -237,7 +237,11 @@ void ListModel::fix(const std::vector<int>& order, std::vector<int>& mix, double
 
 Plan ListModel::build(const std::vector<int>& order, const std::vector<int>& mix, double horizon,
                       const char* name) const {
-  Context ctx(len, opt);
+  // A list schedule takes any members: a plan of the unbounded problem (PlanOptions::peer_budget
+  // ignored; refineSmall does not run under a binding budget).
+  PlanOptions unbounded = opt;
+  unbounded.peer_budget = 0;
+  Context ctx(len, unbounded);
   Builder b(ctx);
   std::vector<double> prof;
   std::vector<int> ids, members;

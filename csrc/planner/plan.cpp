@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "common/zigzag.h"
+#include "planner/peer_budget.h"
 #include "planner/pipeline.h"
 #include "planner/replay.h"
 
@@ -113,6 +114,12 @@ void Plan::verify(const std::vector<int64_t>& lengths, const PlanOptions& opt) c
   if (num_sequences != static_cast<int64_t>(lengths.size())) fail("number of sequences");
   const int64_t n = static_cast<int64_t>(lengths.size());
   const int64_t R = numRings();
+  // Under a binding peer budget every hop of every ring (the wrap included) spans <= 2 ranks.
+  for (int64_t k = 0; detail::peerBounded(opt) && k < R; ++k)
+    for (int64_t g = ring_grp[k], d = ring_grp[k + 1] - ring_grp[k], j = 0; j < d; ++j)
+      if (std::abs(grp_ranks[g + j] - grp_ranks[g + (j + 1) % d]) > 2)
+        fail("ring " + std::to_string(k) + " has a hop of more than 2 ranks (peer budget " +
+             std::to_string(opt.peer_budget) + ")");
   std::vector<int64_t> local_count(n, 0), ring_of(n, 0), tokens_seen(n, 0);
   std::vector<int64_t> ring_mb(R, -1);  // the first micro-batch seen of each ring
   std::vector<std::vector<char>> ring_pos_seen(R);

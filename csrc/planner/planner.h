@@ -91,6 +91,12 @@ struct PlanOptions {
   // longest sequence at the smallest rank capacity).
   int static_cp = 0;
   PipelineOptions pipeline;
+  // The peer budget K (csrc/planner/peer_budget.h): over any number of steps each rank exchanges
+  // ring traffic with at most K distinct ranks (its ring neighbours). Rings are then intervals of
+  // the rank order with hops of at most 2 positions (neighbours within r-2 .. r+2). 0: unbounded
+  // (the plans of the planner before the budget, byte for byte); 1..3: refused; with
+  // world_size - 1 <= K the budget cannot bind and plans are the unbounded ones.
+  int peer_budget = 4;
 };
 
 // The plan's fields, written once: the Plan struct below, its byte format (plan.cpp: every field in

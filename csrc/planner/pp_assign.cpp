@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "planner/peer_budget.h"
 #include "planner/pp_balance.h"
 
 namespace bytescale {
@@ -61,15 +62,21 @@ void PPBalance::placeRings(Layout& L, std::vector<double>& load, std::vector<dou
     RingItem& r = L.rings[k];
     const double ch = chain(r.cost, static_cast<double>(ctx_.len[r.seq]) / r.d);
     for (int h = 0; h < H_; ++h) after[h] = est(load[h] + r.cost, std::max(cmax[h], ch));
-    std::iota(idx.begin(), idx.end(), 0);
-    auto cmp = [&](int a, int b) {
-      if (after[a] != after[b]) return after[a] < after[b];
-      if (nring[a] != nring[b]) return nring[a] > nring[b];  // join an existing cohort
-      return a < b;
-    };
-    std::nth_element(idx.begin(), idx.begin() + (r.d - 1), idx.end(), cmp);
-    r.members.assign(idx.begin(), idx.begin() + r.d);
-    std::sort(r.members.begin(), r.members.end());
+    if (ctx_.bounded) {  // peer budget (peer_budget.h): the window of pipelines ending least late
+      const int a = bestWindow(after, r.d);
+      r.members.resize(r.d);
+      std::iota(r.members.begin(), r.members.end(), a);
+    } else {
+      std::iota(idx.begin(), idx.end(), 0);
+      auto cmp = [&](int a, int b) {
+        if (after[a] != after[b]) return after[a] < after[b];
+        if (nring[a] != nring[b]) return nring[a] > nring[b];  // join an existing cohort
+        return a < b;
+      };
+      std::nth_element(idx.begin(), idx.begin() + (r.d - 1), idx.end(), cmp);
+      r.members.assign(idx.begin(), idx.begin() + r.d);
+      std::sort(r.members.begin(), r.members.end());
+    }
     int64_t slot = 0;
     for (int h : r.members) slot = std::max(slot, nring[h]);
     r.slot = slot;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "planner/packing.h"
+#include "planner/peer_budget.h"
 #include "planner/pp_balance.h"
 
 namespace bytescale {
@@ -129,20 +130,33 @@ bool lockstepLayout(const Context& ctx, Layout& L, bool no_offload) {
   L.lists.assign(H, {});
   size_t first_open = 0;
   std::vector<int> cand;
+  std::vector<char> open_h;
   for (const Item& it : items) {
     const int d = it.ring >= 0 ? L.rings[it.ring].d : 1;
     size_t k = first_open;
-    while (k < busy.size() && free_count[k] < d) ++k;
+    int win = -1;  // peer budget (peer_budget.h): a ring takes a window of free pipelines
+    for (; k < busy.size(); ++k) {
+      if (free_count[k] < d) continue;
+      if (!ctx.bounded || d == 1) break;
+      open_h.assign(H, 0);
+      for (int h = 0; h < H; ++h) open_h[h] = !busy[k][h];
+      if ((win = bestWindow(load, d, &open_h)) >= 0) break;
+    }
     if (k == busy.size()) {
       busy.emplace_back(H, 0);
       free_count.push_back(H);
+      if (ctx.bounded && d > 1) win = bestWindow(load, d);
     }
     cand.clear();
-    for (int h = 0; h < H; ++h)
-      if (!busy[k][h]) cand.push_back(h);
-    std::stable_sort(cand.begin(), cand.end(), [&](int a, int b) { return load[a] < load[b]; });
-    cand.resize(d);
-    std::sort(cand.begin(), cand.end());
+    if (win >= 0) {
+      for (int h = win; h < win + d; ++h) cand.push_back(h);
+    } else {
+      for (int h = 0; h < H; ++h)
+        if (!busy[k][h]) cand.push_back(h);
+      std::stable_sort(cand.begin(), cand.end(), [&](int a, int b) { return load[a] < load[b]; });
+      cand.resize(d);
+      std::sort(cand.begin(), cand.end());
+    }
     for (int h : cand) {
       busy[k][h] = 1;
       load[h] += it.cost;

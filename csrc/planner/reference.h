@@ -8,7 +8,8 @@
 // capacity among the ring's members (Eq. 3 when offloading); any members, any start, any per-rank
 // order. Both price a schedule with the cost model (a ring runs at its slowest member's pace) and
 // judge it by the replay's synchronised step (csrc/planner/replay.h); the plan they return is
-// replayed by replay() like any other.
+// replayed by replay() like any other. Both search the unbounded problem: PlanOptions::peer_budget
+// is ignored (any members), so they are references for bounded plans too.
 //
 // Why a search over orders and class mixes is exhaustive. Group the ranks into classes of equal
 // (speed, capacity); a sequence's "mix" is how many ranks of each class it runs on. Take any

@@ -13,6 +13,7 @@
 #include "planner/pipeline.h"
 #include "planner/offload_rule.h"
 #include "planner/packing.h"
+#include "planner/peer_budget.h"
 #include "planner/replay.h"
 
 namespace bytescale {
@@ -44,6 +45,7 @@ void validateInput(const std::vector<int64_t>& lengths, const PlanOptions& opt) 
   check_vec(opt.speed, "speed");
   check_vec(opt.memory, "memory");
   opt.cost.validate();
+  validatePeerBudget(opt.peer_budget);
   if (opt.static_cp < 0)
     throw std::invalid_argument("planner: static_cp must be >= 0 (0: sized for the longest sequence), got " +
                                 std::to_string(opt.static_cp));
@@ -110,12 +112,22 @@ Builder tokenBalanced(const Context& ctx, Strategy strategy, const std::vector<i
     }
     int d = ring_sizes ? (*ring_sizes)[i] : ctx.memMin(s).ranks;
     if (strategy == Strategy::kPow2 && !ring_sizes) d = std::min(nextPow2(d), W);
-    std::vector<int> members = popLeast(heap, d);
+    std::vector<int> members;
+    if (ctx.bounded) {  // the window of d ranks holding the fewest tokens (peer_budget.h)
+      const int a = bestWindow(tokens, d);
+      for (int k = 0; k < d; ++k) members.push_back(a + k);
+    } else {
+      members = popLeast(heap, d);
+    }
     for (int r : members) {
       tokens[r] += static_cast<double>(s) / d;
-      heap.emplace(tokens[r], r);
+      if (!ctx.bounded) heap.emplace(tokens[r], r);
     }
     b.addRing(i, members, opt.offload ? ratioForRanks(cm, s, ctx.cap_min, d) : 0.0);
+  }
+  if (ctx.bounded) {  // the locals' heap: every rank at its tokens after the rings
+    heap = LoadHeap();
+    for (int r = 0; r < W; ++r) heap.emplace(tokens[r], r);
   }
   // Best-fit decreasing into capacity-sized bins, bins to the rank with the fewest tokens.
   std::vector<std::vector<int64_t>> bins;
@@ -155,6 +167,7 @@ Context::Context(const std::vector<int64_t>& lengths, const PlanOptions& o)
   cap_min = *std::min_element(cap.begin(), cap.end());
   cap_max = *std::max_element(cap.begin(), cap.end());
   uniform = cap_min == cap_max && speed_min == speed_max;
+  bounded = peerBounded(o);
   order.resize(lengths.size());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
@@ -181,7 +194,8 @@ OffloadChoice Context::memMin(int64_t s) const { return offloadFloor(opt, s, cap
 
 void Builder::appendRing(const int64_t* seqs, size_t n, std::vector<int> members, double ratio,
                          double cost) {
-  std::sort(members.begin(), members.end());
+  if (ctx.bounded) orderBoundedRing(members, strategyName(ctx.opt.strategy));
+  else std::sort(members.begin(), members.end());
   const int64_t ring = numRings();
   grp_ranks.insert(grp_ranks.end(), members.begin(), members.end());
   ring_grp.push_back(static_cast<int64_t>(grp_ranks.size()));

@@ -113,6 +113,7 @@ std::vector<Instance> smallSet() {
   std::mt19937_64 rng(20270);
   std::uniform_real_distribution<double> u(0, 1);
   auto add = [&](const std::string& fam, std::vector<int64_t> lens, PlanOptions o) {
+    o.peer_budget = 0;  // the references search the unbounded problem (reference.h)
     out.push_back({fam, std::move(lens), std::move(o)});
   };
   {
@@ -290,6 +291,7 @@ TEST(Reference, BalancedWithinFivePercentOfALocalSearchAt16To64Ranks) {
   std::string worst_case;
   for (int t = 0; t < 21; ++t) {
     PlanOptions o;
+    o.peer_budget = 0;  // the references search the unbounded problem (reference.h)
     o.world_size = 16 << (t % 3);
     o.capacity = 1024 << (rng() % 3);
     const int W = o.world_size;
