@@ -103,6 +103,7 @@ HDPConfig = _section(
     _lib(PlannerConfig, "static_cp", default=0, type_="int", min=0,
          help="CP degree of the static baseline (0: sized for the longest document)"),
     _lib(PlannerConfig, "offload"),
+    _lib(PlannerConfig, "peer_budget"),
     _lib(ParallelConfig, "fsdp"),
     _lib(ParallelConfig, "tp"),
     _lib(ParallelConfig, "ep"),
@@ -120,7 +121,7 @@ def planner_config(cfg: "TrainConfig", capacity: Optional[int] = None,
     """The run's :class:`~bytescale.config.PlannerConfig` (``capacity``: a resumed run's raised one)."""
     h = cfg.hdp
     return PlannerConfig(capacity or h.capacity, strategy=h.strategy, offload=h.offload, cost=h.cost_profile,
-                         static_cp=static_cp or None, pp=h.pp)
+                         static_cp=static_cp or None, pp=h.pp, peer_budget=h.peer_budget)
 
 
 def loader_config(cfg: "TrainConfig") -> LoaderConfig:
@@ -244,6 +245,10 @@ class TrainConfig:
         except ValueError as e:
             raise ConfigError(f"hdp: {str(e).replace('ParallelConfig: ', '')} (options --pp, --tp, --ep, --fsdp, "
                               "--sequence-parallel)") from None
+        try:  # the planner's own checks (peer budget, strategy, ...), as the loader will make it
+            planner_config(self)
+        except ValueError as e:
+            raise ConfigError(f"hdp: {e}") from None
         if self.hdp.offload and self.hdp.strategy == "static":
             raise ConfigError("hdp.offload (--offload) does not apply to hdp.strategy=static (the DP x CP "
                               "baseline does not offload)")

@@ -125,3 +125,12 @@ def test_split_documents_keeps_every_token():
 def test_flops_model_counts_causal_attention():
     f = FlopsModel(matmul_params=1000, layers=2, heads=4, head_dim=8)
     assert f.step_flops([10, 20]) == 6 * 1000 * 30 + 6 * 2 * 4 * 8 * (100 + 400)
+
+
+def test_the_peer_budget_reaches_the_planner_and_is_checked():
+    from bytescale.train.config import planner_config
+
+    assert planner_config(parse_args(["--data", "synthetic:byted"])).peer_budget == 4
+    assert planner_config(parse_args(["--data", "synthetic:byted", "--peer-budget", "0"])).peer_budget == 0
+    with pytest.raises(ConfigError, match="peer_budget must be 0 .unbounded. or an integer >= 4, got 2"):
+        parse_args(["--data", "synthetic:byted", "--peer-budget", "2"])
