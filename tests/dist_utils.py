@@ -76,11 +76,28 @@ def _process_state() -> tuple:
             threading.active_count())
 
 
+def _clear_dtensor_caches() -> None:
+    """DTensor's sharding propagation and redistribution plans are cached by spec, and a spec's
+    DeviceMesh compares equal to the next test's mesh of the same shape and names: a cached result
+    would carry the destroyed world's mesh, whose group names no longer resolve ("Could not resolve
+    the process group registered under the name 3"). A new process has empty caches; so does a
+    served rank after this."""
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import _redistribute
+
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+        _redistribute._gen_transform_infos.cache_clear()
+    except (ImportError, AttributeError):  # another torch: nothing cached by these names
+        pass
+
+
 def _restore(env0: Dict[str, str], seed0: int, dtype0: torch.dtype) -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    _clear_dtensor_caches()
     os.environ.clear()
     os.environ.update(env0)
     torch.set_default_dtype(dtype0)
@@ -242,7 +259,9 @@ class _World:
                 if msg is not None:
                     kind, text = msg
                     if kind == "error":
-                        self._raise_if_one_died(pending - {r})  # the root cause: a rank that died
+                        # the root cause first: a rank that died (a survivor's backend error
+                        # names the lost connection; the forkserver reports the exit a bit later)
+                        self._raise_if_one_died(pending - {r}, 3.0 if "DistBackendError" in text else 0.2)
                         self.why = f"rank {r} raised"
                         self.kill()
                         raise mp.ProcessRaisedException(
@@ -264,11 +283,11 @@ class _World:
                             code)
                     # exit code 0 without a reply: the rank ended itself (os._exit(0)); no result
 
-    def _raise_if_one_died(self, others) -> None:
+    def _raise_if_one_died(self, others, grace: float) -> None:
         """A survivor's error often reports a peer that died (its collective lost the peer): give
-        a dead rank's exit half a second to show and report it first, so that the error names the
-        cause whatever the scheduling of the processes."""
-        deadline = time.monotonic() + 0.5
+        a dead rank's exit ``grace`` seconds to show and report it first, so that the error names
+        the cause whatever the scheduling of the processes."""
+        deadline = time.monotonic() + grace
         while True:
             for q in sorted(others):
                 if not self.procs[q].is_alive():
@@ -279,9 +298,10 @@ class _World:
                         self.kill()
                         raise mp.ProcessExitedException(f"process {q} terminated with exit code {code}", q,
                                                         self.procs[q].pid, code)
-            if time.monotonic() > deadline:
+            alive = [self.procs[q].sentinel for q in others if self.procs[q].is_alive()]
+            if not alive or time.monotonic() > deadline:
                 return
-            time.sleep(0.05)
+            connection.wait(alive, timeout=0.05)
 
 
 _ctx = None

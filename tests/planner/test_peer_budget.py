@@ -74,7 +74,7 @@ def test_tp_units_global_neighbours_are_same_tp_index_of_neighbouring_units(stra
 def test_sim_prices_ring_hops_from_the_member_order():
     # two rings of 4 ranks with 2 GPUs per node: [0, 2, 3, 1] (the budget's order over nodes 0-1:
     # hops 0->2, 3->1 cross, 2->3 and 1->0 do not) and [4, 5] (inside node 2)
-    s = Schedule(strategy="x", world=6, rank_mb=np.zeros(7, np.int64), mb_ring=np.zeros(0, np.int64),
+    s = Schedule.from_arrays("x", 6, rank_mb=np.zeros(7, np.int64), mb_ring=np.zeros(0, np.int64),
                  ring_grp=np.array([0, 4, 6], np.int64), grp_ranks=np.array([0, 2, 3, 1, 4, 5], np.int32),
                  mb_tokens=np.zeros(0), mb_attn=np.zeros(0), mb_ring_size=np.zeros(0, np.int64),
                  mb_offload=np.zeros(0), mb_docs=np.zeros(0, np.int64), loader="local")
