@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <deque>
+#include <cmath>
+#include <limits>
 #include <stdexcept>
 
 namespace bytescale {
@@ -58,6 +60,149 @@ int bestWindow(const std::vector<double>& key, int d, const std::vector<char>* o
     }
   }
   return best;
+}
+
+WindowTree::WindowTree(int W) : W_(W), key_(static_cast<size_t>(W), 0.0) {}
+
+// The windows of d ranks starting at s0, s0 + 1, ..., s1 (s1 + d <= W): maximum (a deque of
+// decreasing keys) and running sum, as bestWindow computes them.
+void WindowTree::scan(int s0, int s1, std::vector<double>& mx, std::vector<double>& sm) const {
+  mx.clear();
+  sm.clear();
+  std::deque<int> q;
+  double sum = 0;
+  for (int r = s0; r < s1 + d_; ++r) {
+    while (!q.empty() && key_[q.back()] <= key_[r]) q.pop_back();
+    q.push_back(r);
+    sum += key_[r];
+    if (r - s0 >= d_) sum -= key_[r - d_];
+    const int a = r - d_ + 1;
+    if (a < s0) continue;
+    while (q.front() < a) q.pop_front();
+    mx.push_back(key_[q.front()]);
+    sm.push_back(sum);
+  }
+}
+
+// The better of x's children (the least maximum, then sum; ties to the left one: lower starts).
+void WindowTree::pull(int x) {
+  const int l = 2 * x, r = l + 1;
+  const bool right = (m_[r] < m_[l]) | ((m_[r] == m_[l]) & (s_[r] < s_[l]));
+  const int c = l + static_cast<int>(right);
+  m_[x] = m_[c] + lz_[x];
+  s_[x] = s_[c] + lz_[x] * d_;
+  a_[x] = a_[c];
+}
+
+void WindowTree::shift(int x, double v) {
+  m_[x] += v;  // every key of the windows below gains v: their maximum gains exactly v
+  s_[x] += v * d_;
+  lz_[x] += v;
+}
+
+void WindowTree::rebuild(int d) {
+  d_ = d;
+  S_ = W_ - d + 1;
+  N_ = 1;
+  while (N_ < S_) N_ <<= 1;
+  const double inf = std::numeric_limits<double>::infinity();
+  const size_t n = 2 * static_cast<size_t>(N_);  // sized once (widths only shrink, mostly)
+  if (m_.size() < n) {
+    m_.resize(n);
+    s_.resize(n);
+    a_.resize(n);
+    lz_.resize(n);
+  }
+  // Every window's maximum from running maxima inside blocks of d ranks (van Herk / Gil-Werman):
+  // the window at a spans the end of a's block and the start of the next.
+  std::vector<double>& pre = mx_;
+  std::vector<double>& suf = sm_;
+  pre.resize(static_cast<size_t>(W_));
+  suf.resize(static_cast<size_t>(W_));
+  for (int b = 0; b < W_; b += d) {
+    const int e = std::min(b + d, W_);
+    pre[b] = key_[b];
+    for (int r = b + 1; r < e; ++r) pre[r] = std::max(pre[r - 1], key_[r]);
+    suf[e - 1] = key_[e - 1];
+    for (int r = e - 2; r >= b; --r) suf[r] = std::max(suf[r + 1], key_[r]);
+  }
+  double sum = 0;
+  for (int r = 0; r < d - 1; ++r) sum += key_[r];
+  for (int a = 0; a < S_; ++a) {
+    sum += key_[a + d - 1];  // the running sum, as scan() and bestWindow
+    if (a > 0) sum -= key_[a - 1];
+    a_[N_ + a] = a;
+    m_[N_ + a] = std::max(suf[a], pre[a + d - 1]);
+    s_[N_ + a] = sum;
+    lz_[N_ + a] = 0;
+  }
+  for (int a = S_; a < N_; ++a) {
+    a_[N_ + a] = a;
+    m_[N_ + a] = s_[N_ + a] = inf;
+    lz_[N_ + a] = 0;
+  }
+  for (int x = N_ - 1; x >= 1; --x) {
+    lz_[x] = 0;
+    pull(x);
+  }
+}
+
+// Windows starting at [p, q] get the values mx_ / sm_ (indexed from p); pending adds pushed down.
+void WindowTree::assign(int x, int l, int r, int p, int q) {
+  if (q < l || r < p) return;
+  if (l == r) {
+    m_[x] = mx_[l - p];
+    s_[x] = sm_[l - p];
+    return;
+  }
+  if (lz_[x] != 0) {
+    shift(2 * x, lz_[x]);
+    shift(2 * x + 1, lz_[x]);
+    lz_[x] = 0;
+  }
+  const int m = (l + r) / 2;
+  assign(2 * x, l, m, p, q);
+  assign(2 * x + 1, m + 1, r, p, q);
+  pull(x);
+}
+
+void WindowTree::addRange(int x, int l, int r, int p, int q, double v) {
+  if (q < l || r < p) return;
+  if (p <= l && r <= q) {
+    shift(x, v);
+    return;
+  }
+  const int m = (l + r) / 2;
+  addRange(2 * x, l, m, p, q, v);
+  addRange(2 * x + 1, m + 1, r, p, q, v);
+  pull(x);
+}
+
+void WindowTree::rescan(int p, int q) {
+  p = std::max(p, 0);
+  q = std::min(q, S_ - 1);
+  if (p > q) return;
+  scan(p, q, mx_, sm_);
+  assign(1, 0, N_ - 1, p, q);
+}
+
+void WindowTree::add(int a, int d, double v) {
+  for (int r = a; r < a + d; ++r) key_[r] += v;
+  if (d_ == 0) return;
+  // Windows inside [a, a + d) gain v on every key; those overlapping it in part are scanned again.
+  if (d_ <= d) {
+    addRange(1, 0, N_ - 1, a, std::min(a + d - d_, S_ - 1), v);
+    rescan(a - d_ + 1, a - 1);
+    rescan(a + d - d_ + 1, a + d - 1);
+  } else {
+    rescan(a - d_ + 1, a + d - 1);
+  }
+}
+
+int WindowTree::best(int d) {
+  if (d < 1 || d > W_) return -1;
+  if (d != d_) rebuild(d);
+  return a_[1];
 }
 
 IntervalTimeline::IntervalTimeline(int W) : W_(W), start_{0, W}, t_{0.0} {}
@@ -143,6 +288,7 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
   std::stable_sort(by_time.begin(), by_time.end(), [&](size_t a, size_t b) { return t_[a] < t_[b]; });
   std::vector<double> times;
   std::vector<int> widest;
+  std::vector<size_t> last;  // last[i]: the last position in by_time of a run free at times[i]
   std::vector<size_t> parent(R);
   std::vector<int> size(R, 0);
   std::vector<char> on(R, 0);
@@ -168,10 +314,27 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
     if (q + 1 == R || t_[by_time[q + 1]] != t_[k]) {
       times.push_back(t_[k]);
       widest.push_back(best_width);
+      last.push_back(q);
     }
   }
   std::vector<double> P(R + 1, 0.0);
   for (size_t k = 0; k < R; ++k) P[k + 1] = P[k] + (start_[k + 1] - start_[k]) * t_[k];
+  // A lower bound on the waste of any d ranks free by times[i]: the d latest free among them,
+  // wherever they are. A candidate whose bound cannot beat the best waste so far is not a window
+  // search. window() adds its waste up from prefix sums, so a computed waste may sit below the
+  // true one by rounding (zero wastes come out a hair either side of 0, and such a hair decides
+  // between them): the bound is lowered by far more than that error (1e-9 x the magnitudes).
+  auto least_waste = [&](size_t i, int d) {
+    double w = 0;
+    int need = d;
+    for (size_t q = last[i] + 1; q-- > 0 && need > 0;) {
+      const size_t k = by_time[q];
+      const int n = std::min(need, start_[k + 1] - start_[k]);
+      w += n * (times[i] - t_[k]);
+      need -= n;
+    }
+    return w - 1e-9 * (d * std::abs(times[i]) + std::abs(P[R]));
+  };
   Choice best;
   bool have = false, best_fits = false;
   double best_waste = 0, best_finish = 0;
@@ -184,9 +347,15 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
     ++seen;
     const int avail = std::min(widest[i], cap);
     const Size sz = sizer(t, avail);
+    if (sz.d < 1 || sz.d > avail) continue;
+    // An interval of sz.d ranks free by t exists (avail <= the widest); a candidate that does not
+    // fit is ranked by its end alone, so its window is searched only if it is chosen (below).
     int start = -1;
     double waste = 0;
-    if (sz.d < 1 || sz.d > avail || !window(t, sz.d, P, start, waste)) continue;
+    if (sz.fits) {
+      if (have && best_fits && least_waste(i, sz.d) >= best_waste * (1 - 1e-12)) continue;
+      if (!window(t, sz.d, P, start, waste)) continue;
+    }
     bool better;
     if (!have) better = true;
     else if (sz.fits != best_fits) better = sz.fits;
@@ -200,6 +369,10 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
       best = {start, sz.d, t};
     }
     if (best_fits && best_waste == 0) break;
+  }
+  if (have && !best_fits) {
+    double waste = 0;
+    window(best.t, best.d, P, best.start, waste);
   }
   return best;
 }
