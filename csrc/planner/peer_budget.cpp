@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <functional>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
@@ -281,11 +282,15 @@ bool IntervalTimeline::window(double t, int d, const std::vector<double>& P, int
 IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidates, double H,
                                                   const Sizer& sizer) const {
   const size_t R = t_.size();
-  // widest[i]: the widest stretch of consecutive ranks free by times[i], for every distinct run
-  // time at once: runs join their free neighbours in time order (union-find over runs).
-  std::vector<size_t> by_time(R);
-  for (size_t k = 0; k < R; ++k) by_time[k] = k;
-  std::stable_sort(by_time.begin(), by_time.end(), [&](size_t a, size_t b) { return t_[a] < t_[b]; });
+  // widest[i]: the widest stretch of consecutive ranks free by times[i], the distinct run times
+  // in increasing order: runs join their free neighbours in time order (union-find over runs).
+  // Times are taken from a heap as the candidates need them (most choices look at few).
+  std::vector<std::pair<double, size_t>> heap(R);
+  for (size_t k = 0; k < R; ++k) heap[k] = {t_[k], k};
+  const auto later = std::greater<std::pair<double, size_t>>();
+  std::make_heap(heap.begin(), heap.end(), later);
+  std::vector<size_t> by_time;  // the runs taken so far, in time order
+  by_time.reserve(R);
   std::vector<double> times;
   std::vector<int> widest;
   std::vector<size_t> last;  // last[i]: the last position in by_time of a run free at times[i]
@@ -297,26 +302,32 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
     return x;
   };
   int best_width = 0;
-  for (size_t q = 0; q < R; ++q) {
-    const size_t k = by_time[q];
-    parent[k] = k;
-    size[k] = start_[k + 1] - start_[k];
-    on[k] = 1;
-    for (size_t nb : {k - 1, k + 1}) {
-      if (nb >= R || !on[nb]) continue;  // k - 1 wraps to a huge index for k == 0
-      size_t a = find(k), b = find(nb);
-      if (a == b) continue;
-      if (size[a] < size[b]) std::swap(a, b);
-      parent[b] = a;
-      size[a] += size[b];
+  auto next_time = [&]() {  // takes the runs of the next distinct time; false when none is left
+    if (heap.empty()) return false;
+    const double t = heap.front().first;
+    while (!heap.empty() && heap.front().first == t) {
+      std::pop_heap(heap.begin(), heap.end(), later);
+      const size_t k = heap.back().second;
+      heap.pop_back();
+      by_time.push_back(k);
+      parent[k] = k;
+      size[k] = start_[k + 1] - start_[k];
+      on[k] = 1;
+      for (size_t nb : {k - 1, k + 1}) {
+        if (nb >= R || !on[nb]) continue;  // k - 1 wraps to a huge index for k == 0
+        size_t a = find(k), b = find(nb);
+        if (a == b) continue;
+        if (size[a] < size[b]) std::swap(a, b);
+        parent[b] = a;
+        size[a] += size[b];
+      }
+      best_width = std::max(best_width, size[find(k)]);
     }
-    best_width = std::max(best_width, size[find(k)]);
-    if (q + 1 == R || t_[by_time[q + 1]] != t_[k]) {
-      times.push_back(t_[k]);
-      widest.push_back(best_width);
-      last.push_back(q);
-    }
-  }
+    times.push_back(t);
+    widest.push_back(best_width);
+    last.push_back(by_time.size() - 1);
+    return true;
+  };
   std::vector<double> P(R + 1, 0.0);
   for (size_t k = 0; k < R; ++k) P[k + 1] = P[k] + (start_[k + 1] - start_[k]) * t_[k];
   // A lower bound on the waste of any d ranks free by times[i]: the d latest free among them,
@@ -340,8 +351,9 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
   double best_waste = 0, best_finish = 0;
   int seen = 0;
   size_t i = 0;
-  while (i < times.size() && widest[i] < lo) ++i;  // the earliest time an interval of lo is free
-  for (; i < times.size(); ++i) {
+  auto have_time = [&]() { return i < times.size() || next_time(); };
+  while (have_time() && widest[i] < lo) ++i;  // the earliest time an interval of lo is free
+  for (; have_time(); ++i) {
     const double t = times[i];
     if (have && (seen >= candidates || (best_fits && t >= H))) break;
     ++seen;
