@@ -285,18 +285,27 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
   // widest[i]: the widest stretch of consecutive ranks free by times[i], the distinct run times
   // in increasing order: runs join their free neighbours in time order (union-find over runs).
   // Times are taken from a heap as the candidates need them (most choices look at few).
-  std::vector<std::pair<double, size_t>> heap(R);
+  Scratch& sc = scratch_;  // buffers kept across calls (no allocation per ring)
+  auto& heap = sc.heap;
+  heap.resize(R);
   for (size_t k = 0; k < R; ++k) heap[k] = {t_[k], k};
   const auto later = std::greater<std::pair<double, size_t>>();
   std::make_heap(heap.begin(), heap.end(), later);
-  std::vector<size_t> by_time;  // the runs taken so far, in time order
+  auto& by_time = sc.by_time;  // the runs taken so far, in time order
+  by_time.clear();
   by_time.reserve(R);
-  std::vector<double> times;
-  std::vector<int> widest;
-  std::vector<size_t> last;  // last[i]: the last position in by_time of a run free at times[i]
-  std::vector<size_t> parent(R);
-  std::vector<int> size(R, 0);
-  std::vector<char> on(R, 0);
+  auto& times = sc.times;
+  auto& widest = sc.widest;
+  auto& last = sc.last;  // last[i]: the last position in by_time of a run free at times[i]
+  times.clear();
+  widest.clear();
+  last.clear();
+  auto& parent = sc.parent;
+  auto& size = sc.size;
+  auto& on = sc.on;
+  parent.resize(R);
+  size.assign(R, 0);
+  on.assign(R, 0);
   auto find = [&](size_t x) {
     while (parent[x] != x) x = parent[x] = parent[parent[x]];
     return x;
@@ -328,10 +337,13 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
     last.push_back(by_time.size() - 1);
     return true;
   };
-  std::vector<double> P(R + 1, 0.0);
+  auto& P = sc.P;
+  P.resize(R + 1);
+  P[0] = 0;
   for (size_t k = 0; k < R; ++k) P[k + 1] = P[k] + (start_[k + 1] - start_[k]) * t_[k];
   // A lower bound on the waste of any d ranks free by times[i]: the d latest free among them,
-  // wherever they are. A candidate whose bound cannot beat the best waste so far is not a window
+  // wherever they are in stretches of at least d ranks (the union-find holds times[i]'s stretches
+  // while candidate i is looked at). A candidate whose bound cannot beat the best waste so far is not a window
   // search. window() adds its waste up from prefix sums, so a computed waste may sit below the
   // true one by rounding (zero wastes come out a hair either side of 0, and such a hair decides
   // between them): the bound is lowered by far more than that error (1e-9 x the magnitudes).
@@ -340,6 +352,7 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
     int need = d;
     for (size_t q = last[i] + 1; q-- > 0 && need > 0;) {
       const size_t k = by_time[q];
+      if (size[find(k)] < d) continue;  // in a stretch too narrow for any window
       const int n = std::min(need, start_[k + 1] - start_[k]);
       w += n * (times[i] - t_[k]);
       need -= n;

@@ -109,6 +109,14 @@ class IntervalTimeline {
   int W_;
   std::vector<int> start_;   // run k covers [start_[k], start_[k+1]) (start_.back() == W_)
   std::vector<double> t_;    // run k's free time
+  struct Scratch {  // choose()'s buffers, kept across calls
+    std::vector<std::pair<double, size_t>> heap;
+    std::vector<size_t> by_time, last, parent;
+    std::vector<double> times, P;
+    std::vector<int> widest, size;
+    std::vector<char> on;
+  };
+  mutable Scratch scratch_;
   // the least-waste window of d ranks free by t: start and waste (false when none)
   bool window(double t, int d, const std::vector<double>& prefix, int& start, double& waste) const;
 };
