@@ -341,23 +341,45 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
   P.resize(R + 1);
   P[0] = 0;
   for (size_t k = 0; k < R; ++k) P[k + 1] = P[k] + (start_[k + 1] - start_[k]) * t_[k];
-  // A lower bound on the waste of any d ranks free by times[i]: the d latest free among them,
-  // wherever they are in stretches of at least d ranks (the union-find holds times[i]'s stretches
-  // while candidate i is looked at). A candidate whose bound cannot beat the best waste so far is not a window
-  // search. window() adds its waste up from prefix sums, so a computed waste may sit below the
-  // true one by rounding (zero wastes come out a hair either side of 0, and such a hair decides
-  // between them): the bound is lowered by far more than that error (1e-9 x the magnitudes).
-  auto least_waste = [&](size_t i, int d) {
-    double w = 0;
-    int need = d;
-    for (size_t q = last[i] + 1; q-- > 0 && need > 0;) {
+  // Whether no window of d ranks free by times[i] can have a waste below thr: a window lies in
+  // one stretch (a union-find component at times[i], which it holds while candidate i is looked
+  // at), and its waste is at least that of the d latest-free ranks of its stretch. Runs are taken
+  // latest-free first (cost t - free per rank, never decreasing), so the walk stops once every
+  // stretch not yet complete needs more than thr. window() adds its waste up from prefix sums, so
+  // a computed waste may sit below the true one by rounding (zero wastes come out a hair either
+  // side of 0, and such a hair decides between them): thr is raised by far more than that error.
+  auto cannot_beat = [&](size_t i, int d, double thr) {
+    const double t = times[i];
+    thr += 1e-9 * (d * std::abs(t) + std::abs(P[R]));
+    sc.acc_w.resize(R);
+    sc.acc_n.resize(R);
+    sc.stamp.resize(R, 0);
+    ++sc.epoch;
+    sc.started.clear();
+    for (size_t q = last[i] + 1; q-- > 0;) {
       const size_t k = by_time[q];
-      if (size[find(k)] < d) continue;  // in a stretch too narrow for any window
-      const int n = std::min(need, start_[k + 1] - start_[k]);
-      w += n * (times[i] - t_[k]);
-      need -= n;
+      const size_t c = find(k);
+      if (size[c] < d) continue;  // in a stretch too narrow for any window
+      const double cost = t - t_[k];
+      if (d * cost >= thr) {
+        bool all = true;
+        for (size_t o : sc.started)
+          if (sc.acc_n[o] < d && sc.acc_w[o] + (d - sc.acc_n[o]) * cost < thr) all = false;
+        if (all) return true;
+      }
+      if (sc.stamp[c] != sc.epoch) {
+        sc.stamp[c] = sc.epoch;
+        sc.acc_w[c] = 0;
+        sc.acc_n[c] = 0;
+        sc.started.push_back(c);
+      }
+      if (sc.acc_n[c] >= d) continue;
+      const int n = std::min(d - sc.acc_n[c], start_[k + 1] - start_[k]);
+      sc.acc_w[c] += n * cost;
+      sc.acc_n[c] += n;
+      if (sc.acc_n[c] == d && sc.acc_w[c] < thr) return false;
     }
-    return w - 1e-9 * (d * std::abs(times[i]) + std::abs(P[R]));
+    return true;
   };
   Choice best;
   bool have = false, best_fits = false;
@@ -378,7 +400,7 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
     int start = -1;
     double waste = 0;
     if (sz.fits) {
-      if (have && best_fits && least_waste(i, sz.d) >= best_waste * (1 - 1e-12)) continue;
+      if (have && best_fits && cannot_beat(i, sz.d, best_waste * (1 - 1e-12))) continue;
       if (!window(t, sz.d, P, start, waste)) continue;
     }
     bool better;

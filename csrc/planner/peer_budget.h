@@ -115,6 +115,10 @@ class IntervalTimeline {
     std::vector<double> times, P;
     std::vector<int> widest, size;
     std::vector<char> on;
+    std::vector<double> acc_w;  // per stretch (union-find root): the bound's partial sums
+    std::vector<int> acc_n, stamp;
+    std::vector<size_t> started;
+    int epoch = 0;
   };
   mutable Scratch scratch_;
   // the least-waste window of d ranks free by t: start and waste (false when none)
