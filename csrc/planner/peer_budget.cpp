@@ -392,6 +392,10 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
     const double t = times[i];
     if (have && (seen >= candidates || (best_fits && t >= H))) break;
     ++seen;
+    // With a fitting best, only a fitting candidate of less waste wins, and sizes are >= lo (a
+    // waste bound for lo ranks holds for more): most candidates end here, without sizing.
+    const double thr = best_waste * (1 - 1e-12);
+    if (have && best_fits && cannot_beat(i, lo, thr)) continue;
     const int avail = std::min(widest[i], cap);
     const Size sz = sizer(t, avail);
     if (sz.d < 1 || sz.d > avail) continue;
@@ -400,7 +404,7 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
     int start = -1;
     double waste = 0;
     if (sz.fits) {
-      if (have && best_fits && cannot_beat(i, sz.d, best_waste * (1 - 1e-12))) continue;
+      if (have && best_fits && sz.d > lo && cannot_beat(i, sz.d, thr)) continue;
       if (!window(t, sz.d, P, start, waste)) continue;
     }
     bool better;

@@ -80,7 +80,7 @@ class IntervalTimeline {
   explicit IntervalTimeline(int W);
 
   // A ring's size at a candidate start time t, given the widest interval free by t (capped by the
-  // caller): d, whether it ends within the horizon, and when it ends.
+  // caller): d (at least choose's lo), whether it ends within the horizon, and when it ends.
   struct Size {
     int d;
     bool fits;
