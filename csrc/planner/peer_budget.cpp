@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <deque>
+#include <functional>
+#include <cmath>
+#include <limits>
 #include <stdexcept>
 
 namespace bytescale {
@@ -58,6 +61,149 @@ int bestWindow(const std::vector<double>& key, int d, const std::vector<char>* o
     }
   }
   return best;
+}
+
+WindowTree::WindowTree(int W) : W_(W), key_(static_cast<size_t>(W), 0.0) {}
+
+// The windows of d ranks starting at s0, s0 + 1, ..., s1 (s1 + d <= W): maximum (a deque of
+// decreasing keys) and running sum, as bestWindow computes them.
+void WindowTree::scan(int s0, int s1, std::vector<double>& mx, std::vector<double>& sm) const {
+  mx.clear();
+  sm.clear();
+  std::deque<int> q;
+  double sum = 0;
+  for (int r = s0; r < s1 + d_; ++r) {
+    while (!q.empty() && key_[q.back()] <= key_[r]) q.pop_back();
+    q.push_back(r);
+    sum += key_[r];
+    if (r - s0 >= d_) sum -= key_[r - d_];
+    const int a = r - d_ + 1;
+    if (a < s0) continue;
+    while (q.front() < a) q.pop_front();
+    mx.push_back(key_[q.front()]);
+    sm.push_back(sum);
+  }
+}
+
+// The better of x's children (the least maximum, then sum; ties to the left one: lower starts).
+void WindowTree::pull(int x) {
+  const int l = 2 * x, r = l + 1;
+  const bool right = (m_[r] < m_[l]) | ((m_[r] == m_[l]) & (s_[r] < s_[l]));
+  const int c = l + static_cast<int>(right);
+  m_[x] = m_[c] + lz_[x];
+  s_[x] = s_[c] + lz_[x] * d_;
+  a_[x] = a_[c];
+}
+
+void WindowTree::shift(int x, double v) {
+  m_[x] += v;  // every key of the windows below gains v: their maximum gains exactly v
+  s_[x] += v * d_;
+  lz_[x] += v;
+}
+
+void WindowTree::rebuild(int d) {
+  d_ = d;
+  S_ = W_ - d + 1;
+  N_ = 1;
+  while (N_ < S_) N_ <<= 1;
+  const double inf = std::numeric_limits<double>::infinity();
+  const size_t n = 2 * static_cast<size_t>(N_);  // sized once (widths only shrink, mostly)
+  if (m_.size() < n) {
+    m_.resize(n);
+    s_.resize(n);
+    a_.resize(n);
+    lz_.resize(n);
+  }
+  // Every window's maximum from running maxima inside blocks of d ranks (van Herk / Gil-Werman):
+  // the window at a spans the end of a's block and the start of the next.
+  std::vector<double>& pre = mx_;
+  std::vector<double>& suf = sm_;
+  pre.resize(static_cast<size_t>(W_));
+  suf.resize(static_cast<size_t>(W_));
+  for (int b = 0; b < W_; b += d) {
+    const int e = std::min(b + d, W_);
+    pre[b] = key_[b];
+    for (int r = b + 1; r < e; ++r) pre[r] = std::max(pre[r - 1], key_[r]);
+    suf[e - 1] = key_[e - 1];
+    for (int r = e - 2; r >= b; --r) suf[r] = std::max(suf[r + 1], key_[r]);
+  }
+  double sum = 0;
+  for (int r = 0; r < d - 1; ++r) sum += key_[r];
+  for (int a = 0; a < S_; ++a) {
+    sum += key_[a + d - 1];  // the running sum, as scan() and bestWindow
+    if (a > 0) sum -= key_[a - 1];
+    a_[N_ + a] = a;
+    m_[N_ + a] = std::max(suf[a], pre[a + d - 1]);
+    s_[N_ + a] = sum;
+    lz_[N_ + a] = 0;
+  }
+  for (int a = S_; a < N_; ++a) {
+    a_[N_ + a] = a;
+    m_[N_ + a] = s_[N_ + a] = inf;
+    lz_[N_ + a] = 0;
+  }
+  for (int x = N_ - 1; x >= 1; --x) {
+    lz_[x] = 0;
+    pull(x);
+  }
+}
+
+// Windows starting at [p, q] get the values mx_ / sm_ (indexed from p); pending adds pushed down.
+void WindowTree::assign(int x, int l, int r, int p, int q) {
+  if (q < l || r < p) return;
+  if (l == r) {
+    m_[x] = mx_[l - p];
+    s_[x] = sm_[l - p];
+    return;
+  }
+  if (lz_[x] != 0) {
+    shift(2 * x, lz_[x]);
+    shift(2 * x + 1, lz_[x]);
+    lz_[x] = 0;
+  }
+  const int m = (l + r) / 2;
+  assign(2 * x, l, m, p, q);
+  assign(2 * x + 1, m + 1, r, p, q);
+  pull(x);
+}
+
+void WindowTree::addRange(int x, int l, int r, int p, int q, double v) {
+  if (q < l || r < p) return;
+  if (p <= l && r <= q) {
+    shift(x, v);
+    return;
+  }
+  const int m = (l + r) / 2;
+  addRange(2 * x, l, m, p, q, v);
+  addRange(2 * x + 1, m + 1, r, p, q, v);
+  pull(x);
+}
+
+void WindowTree::rescan(int p, int q) {
+  p = std::max(p, 0);
+  q = std::min(q, S_ - 1);
+  if (p > q) return;
+  scan(p, q, mx_, sm_);
+  assign(1, 0, N_ - 1, p, q);
+}
+
+void WindowTree::add(int a, int d, double v) {
+  for (int r = a; r < a + d; ++r) key_[r] += v;
+  if (d_ == 0) return;
+  // Windows inside [a, a + d) gain v on every key; those overlapping it in part are scanned again.
+  if (d_ <= d) {
+    addRange(1, 0, N_ - 1, a, std::min(a + d - d_, S_ - 1), v);
+    rescan(a - d_ + 1, a - 1);
+    rescan(a + d - d_ + 1, a + d - 1);
+  } else {
+    rescan(a - d_ + 1, a + d - 1);
+  }
+}
+
+int WindowTree::best(int d) {
+  if (d < 1 || d > W_) return -1;
+  if (d != d_) rebuild(d);
+  return a_[1];
 }
 
 IntervalTimeline::IntervalTimeline(int W) : W_(W), start_{0, W}, t_{0.0} {}
@@ -136,57 +282,131 @@ bool IntervalTimeline::window(double t, int d, const std::vector<double>& P, int
 IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidates, double H,
                                                   const Sizer& sizer) const {
   const size_t R = t_.size();
-  // widest[i]: the widest stretch of consecutive ranks free by times[i], for every distinct run
-  // time at once: runs join their free neighbours in time order (union-find over runs).
-  std::vector<size_t> by_time(R);
-  for (size_t k = 0; k < R; ++k) by_time[k] = k;
-  std::stable_sort(by_time.begin(), by_time.end(), [&](size_t a, size_t b) { return t_[a] < t_[b]; });
-  std::vector<double> times;
-  std::vector<int> widest;
-  std::vector<size_t> parent(R);
-  std::vector<int> size(R, 0);
-  std::vector<char> on(R, 0);
+  // widest[i]: the widest stretch of consecutive ranks free by times[i], the distinct run times
+  // in increasing order: runs join their free neighbours in time order (union-find over runs).
+  // Times are taken from a heap as the candidates need them (most choices look at few).
+  Scratch& sc = scratch_;  // buffers kept across calls (no allocation per ring)
+  auto& heap = sc.heap;
+  heap.resize(R);
+  for (size_t k = 0; k < R; ++k) heap[k] = {t_[k], k};
+  const auto later = std::greater<std::pair<double, size_t>>();
+  std::make_heap(heap.begin(), heap.end(), later);
+  auto& by_time = sc.by_time;  // the runs taken so far, in time order
+  by_time.clear();
+  by_time.reserve(R);
+  auto& times = sc.times;
+  auto& widest = sc.widest;
+  auto& last = sc.last;  // last[i]: the last position in by_time of a run free at times[i]
+  times.clear();
+  widest.clear();
+  last.clear();
+  auto& parent = sc.parent;
+  auto& size = sc.size;
+  auto& on = sc.on;
+  parent.resize(R);
+  size.assign(R, 0);
+  on.assign(R, 0);
   auto find = [&](size_t x) {
     while (parent[x] != x) x = parent[x] = parent[parent[x]];
     return x;
   };
   int best_width = 0;
-  for (size_t q = 0; q < R; ++q) {
-    const size_t k = by_time[q];
-    parent[k] = k;
-    size[k] = start_[k + 1] - start_[k];
-    on[k] = 1;
-    for (size_t nb : {k - 1, k + 1}) {
-      if (nb >= R || !on[nb]) continue;  // k - 1 wraps to a huge index for k == 0
-      size_t a = find(k), b = find(nb);
-      if (a == b) continue;
-      if (size[a] < size[b]) std::swap(a, b);
-      parent[b] = a;
-      size[a] += size[b];
+  auto next_time = [&]() {  // takes the runs of the next distinct time; false when none is left
+    if (heap.empty()) return false;
+    const double t = heap.front().first;
+    while (!heap.empty() && heap.front().first == t) {
+      std::pop_heap(heap.begin(), heap.end(), later);
+      const size_t k = heap.back().second;
+      heap.pop_back();
+      by_time.push_back(k);
+      parent[k] = k;
+      size[k] = start_[k + 1] - start_[k];
+      on[k] = 1;
+      for (size_t nb : {k - 1, k + 1}) {
+        if (nb >= R || !on[nb]) continue;  // k - 1 wraps to a huge index for k == 0
+        size_t a = find(k), b = find(nb);
+        if (a == b) continue;
+        if (size[a] < size[b]) std::swap(a, b);
+        parent[b] = a;
+        size[a] += size[b];
+      }
+      best_width = std::max(best_width, size[find(k)]);
     }
-    best_width = std::max(best_width, size[find(k)]);
-    if (q + 1 == R || t_[by_time[q + 1]] != t_[k]) {
-      times.push_back(t_[k]);
-      widest.push_back(best_width);
-    }
-  }
-  std::vector<double> P(R + 1, 0.0);
+    times.push_back(t);
+    widest.push_back(best_width);
+    last.push_back(by_time.size() - 1);
+    return true;
+  };
+  auto& P = sc.P;
+  P.resize(R + 1);
+  P[0] = 0;
   for (size_t k = 0; k < R; ++k) P[k + 1] = P[k] + (start_[k + 1] - start_[k]) * t_[k];
+  // Whether no window of d ranks free by times[i] can have a waste below thr: a window lies in
+  // one stretch (a union-find component at times[i], which it holds while candidate i is looked
+  // at), and its waste is at least that of the d latest-free ranks of its stretch. Runs are taken
+  // latest-free first (cost t - free per rank, never decreasing), so the walk stops once every
+  // stretch not yet complete needs more than thr. window() adds its waste up from prefix sums, so
+  // a computed waste may sit below the true one by rounding (zero wastes come out a hair either
+  // side of 0, and such a hair decides between them): thr is raised by far more than that error.
+  auto cannot_beat = [&](size_t i, int d, double thr) {
+    const double t = times[i];
+    thr += 1e-9 * (d * std::abs(t) + std::abs(P[R]));
+    sc.acc_w.resize(R);
+    sc.acc_n.resize(R);
+    sc.stamp.resize(R, 0);
+    ++sc.epoch;
+    sc.started.clear();
+    for (size_t q = last[i] + 1; q-- > 0;) {
+      const size_t k = by_time[q];
+      const size_t c = find(k);
+      if (size[c] < d) continue;  // in a stretch too narrow for any window
+      const double cost = t - t_[k];
+      if (d * cost >= thr) {
+        bool all = true;
+        for (size_t o : sc.started)
+          if (sc.acc_n[o] < d && sc.acc_w[o] + (d - sc.acc_n[o]) * cost < thr) all = false;
+        if (all) return true;
+      }
+      if (sc.stamp[c] != sc.epoch) {
+        sc.stamp[c] = sc.epoch;
+        sc.acc_w[c] = 0;
+        sc.acc_n[c] = 0;
+        sc.started.push_back(c);
+      }
+      if (sc.acc_n[c] >= d) continue;
+      const int n = std::min(d - sc.acc_n[c], start_[k + 1] - start_[k]);
+      sc.acc_w[c] += n * cost;
+      sc.acc_n[c] += n;
+      if (sc.acc_n[c] == d && sc.acc_w[c] < thr) return false;
+    }
+    return true;
+  };
   Choice best;
   bool have = false, best_fits = false;
   double best_waste = 0, best_finish = 0;
   int seen = 0;
   size_t i = 0;
-  while (i < times.size() && widest[i] < lo) ++i;  // the earliest time an interval of lo is free
-  for (; i < times.size(); ++i) {
+  auto have_time = [&]() { return i < times.size() || next_time(); };
+  while (have_time() && widest[i] < lo) ++i;  // the earliest time an interval of lo is free
+  for (; have_time(); ++i) {
     const double t = times[i];
     if (have && (seen >= candidates || (best_fits && t >= H))) break;
     ++seen;
+    // With a fitting best, only a fitting candidate of less waste wins, and sizes are >= lo (a
+    // waste bound for lo ranks holds for more): most candidates end here, without sizing.
+    const double thr = best_waste * (1 - 1e-12);
+    if (have && best_fits && cannot_beat(i, lo, thr)) continue;
     const int avail = std::min(widest[i], cap);
     const Size sz = sizer(t, avail);
+    if (sz.d < 1 || sz.d > avail) continue;
+    // An interval of sz.d ranks free by t exists (avail <= the widest); a candidate that does not
+    // fit is ranked by its end alone, so its window is searched only if it is chosen (below).
     int start = -1;
     double waste = 0;
-    if (sz.d < 1 || sz.d > avail || !window(t, sz.d, P, start, waste)) continue;
+    if (sz.fits) {
+      if (have && best_fits && sz.d > lo && cannot_beat(i, sz.d, thr)) continue;
+      if (!window(t, sz.d, P, start, waste)) continue;
+    }
     bool better;
     if (!have) better = true;
     else if (sz.fits != best_fits) better = sz.fits;
@@ -200,6 +420,10 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
       best = {start, sz.d, t};
     }
     if (best_fits && best_waste == 0) break;
+  }
+  if (have && !best_fits) {
+    double waste = 0;
+    window(best.t, best.d, P, best.start, waste);
   }
   return best;
 }

@@ -46,6 +46,33 @@ void orderBoundedRing(std::vector<int>& members, const std::string& strategy);
 // the lowest a; only windows whose ranks all have ok[r] (when ok is given). -1 when none exists.
 int bestWindow(const std::vector<double>& key, int d, const std::vector<char>* ok = nullptr);
 
+// bestWindow over keys that change by adding a value to an interval (naive / pow2's tokens): a
+// segment tree over the windows' starts holding each window's (maximum, sum) and the least of
+// them (then the lowest start) per node. A window inside an added interval gains v on its
+// maximum and d x v on its sum (lazily, per node); the at most 2 (d - 1) windows overlapping it in
+// part are scanned again. So one ring costs O(d + log W), and a new width a rebuild in O(W) (the
+// widths come longest first, so a plan rebuilds once per distinct width). The same rule as
+// bestWindow; a window's sum is bestWindow's running sum plus the lazy adds, so sums that tie
+// exactly may round apart at the last bit and pick another of the tied windows.
+class WindowTree {
+ public:
+  explicit WindowTree(int W);
+  void add(int a, int d, double v);  // keys of ranks [a, a + d) gain v (key += v, in rank order)
+  int best(int d);                   // as bestWindow(keys, d); -1 when d < 1 or d > W
+
+ private:
+  int W_, d_ = 0, S_ = 0, N_ = 0;  // d_: the width the tree holds; S_ = W_ - d_ + 1 starts
+  std::vector<double> key_, m_, s_, lz_, mx_, sm_;
+  std::vector<int> a_;
+  void scan(int s0, int s1, std::vector<double>& mx, std::vector<double>& sm) const;
+  void pull(int x);
+  void shift(int x, double v);
+  void rebuild(int d);
+  void assign(int x, int l, int r, int p, int q);
+  void addRange(int x, int l, int r, int p, int q, double v);
+  void rescan(int p, int q);
+};
+
 // The free times of ranks during the balanced strategy's ring placement as runs of equal time
 // (only rings change them then, so there are at most 2 x rings + 1 runs, whatever the world size).
 class IntervalTimeline {
@@ -53,7 +80,7 @@ class IntervalTimeline {
   explicit IntervalTimeline(int W);
 
   // A ring's size at a candidate start time t, given the widest interval free by t (capped by the
-  // caller): d, whether it ends within the horizon, and when it ends.
+  // caller): d (at least choose's lo), whether it ends within the horizon, and when it ends.
   struct Size {
     int d;
     bool fits;
@@ -82,6 +109,18 @@ class IntervalTimeline {
   int W_;
   std::vector<int> start_;   // run k covers [start_[k], start_[k+1]) (start_.back() == W_)
   std::vector<double> t_;    // run k's free time
+  struct Scratch {  // choose()'s buffers, kept across calls
+    std::vector<std::pair<double, size_t>> heap;
+    std::vector<size_t> by_time, last, parent;
+    std::vector<double> times, P;
+    std::vector<int> widest, size;
+    std::vector<char> on;
+    std::vector<double> acc_w;  // per stretch (union-find root): the bound's partial sums
+    std::vector<int> acc_n, stamp;
+    std::vector<size_t> started;
+    int epoch = 0;
+  };
+  mutable Scratch scratch_;
   // the least-waste window of d ranks free by t: start and waste (false when none)
   bool window(double t, int d, const std::vector<double>& prefix, int& start, double& waste) const;
 };

@@ -103,6 +103,7 @@ Builder tokenBalanced(const Context& ctx, Strategy strategy, const std::vector<i
   LoadHeap heap;
   std::vector<double> tokens(W, 0.0);
   for (int r = 0; r < W; ++r) heap.emplace(0.0, r);
+  WindowTree windows(ctx.bounded ? W : 1);
   std::vector<int64_t> shorts;
   for (int64_t i : ctx.order) {
     const int64_t s = lengths[i];
@@ -114,8 +115,9 @@ Builder tokenBalanced(const Context& ctx, Strategy strategy, const std::vector<i
     if (strategy == Strategy::kPow2 && !ring_sizes) d = std::min(nextPow2(d), W);
     std::vector<int> members;
     if (ctx.bounded) {  // the window of d ranks holding the fewest tokens (peer_budget.h)
-      const int a = bestWindow(tokens, d);
+      const int a = windows.best(d);
       for (int k = 0; k < d; ++k) members.push_back(a + k);
+      windows.add(a, d, static_cast<double>(s) / d);
     } else {
       members = popLeast(heap, d);
     }

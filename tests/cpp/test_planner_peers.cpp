@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "planner/peer_budget.h"
 #include "planner/planner.h"
 
 using namespace bytescale::planner;
@@ -290,4 +291,34 @@ TEST(PeerBudget, RingOrderAndErrors) {
   PlanOptions zero = small;
   zero.peer_budget = 0;
   EXPECT_EQ(makePlan({300, 20, 30}, small).serialize(), makePlan({300, 20, 30}, zero).serialize());
+}
+
+// WindowTree (naive / pow2's windows) against bestWindow's scan, on keys that stay integers (so
+// every sum is exact and ties resolve the same): random interval adds, widths mostly shrinking
+// (as the strategies ask for them) with some growing ones, worlds that are and are not powers
+// of two.
+TEST(PeerBudget, WindowTreeMatchesTheScan) {
+  std::mt19937_64 rng(7);
+  for (int W : {1, 2, 3, 5, 8, 13, 64, 100, 257}) {
+    detail::WindowTree tree(W);
+    std::vector<double> key(W, 0.0);
+    int d = W;
+    for (int step = 0; step < 400; ++step) {
+      if (rng() % 5 == 0) d = 1 + static_cast<int>(rng() % W);
+      else if (d > 1 && rng() % 3 == 0) --d;
+      const int a = tree.best(d);
+      ASSERT_EQ(a, detail::bestWindow(key, d)) << "W " << W << " d " << d << " step " << step;
+      const double v = static_cast<double>(rng() % 4);  // 0 makes exact ties
+      // the chosen window, or another interval now and then
+      int a2 = a, d2 = d;
+      if (rng() % 4 == 0) {
+        d2 = 1 + static_cast<int>(rng() % W);
+        a2 = static_cast<int>(rng() % (W - d2 + 1));
+      }
+      tree.add(a2, d2, v);
+      for (int r = a2; r < a2 + d2; ++r) key[r] += v;
+    }
+    EXPECT_EQ(tree.best(0), -1);
+    EXPECT_EQ(tree.best(W + 1), -1);
+  }
 }
