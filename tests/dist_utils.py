@@ -76,6 +76,18 @@ def _process_state() -> tuple:
             threading.active_count())
 
 
+def _dtensor_cached() -> bool:
+    """Whether this thread's DTensor caches hold entries (a body that used DTensor / DeviceMesh)."""
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import _redistribute
+
+        prop = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache.cache_info().currsize
+        return bool(prop or _redistribute._gen_transform_infos.cache_info().currsize)
+    except (ImportError, AttributeError):
+        return False
+
+
 def _clear_dtensor_caches() -> None:
     """DTensor's sharding propagation and redistribution plans are cached by spec, and a spec's
     DeviceMesh compares equal to the next test's mesh of the same shape and names: a cached result
@@ -173,6 +185,11 @@ def _serve(rank: int, world_size: int, backend: str, conn, one_shot: bool, env: 
             return
         try:
             left = "a default process group" if (not init and dist.is_initialized()) else ""
+            # DTensor caches its plans by spec, and a spec's mesh equals the next body's mesh of
+            # the same shape: entries would carry this world's destroyed groups (clearing this
+            # thread's caches is not enough: other threads keep their own), so such a world retires
+            if not left and _dtensor_cached():
+                left = "DTensor caches of this world's meshes"
             _restore(env0, seed0, dtype0)
             if not left and _process_state() != state0:
                 left = f"process state {_process_state()} (was {state0})"
@@ -283,6 +300,14 @@ class _World:
                             code)
                     # exit code 0 without a reply: the rank ended itself (os._exit(0)); no result
 
+    def _sent_a_reply(self, q: int) -> bool:
+        """Whether rank ``q`` sent a message before it ended (a dead rank's closed pipe reads as
+        ready too: EOF is not a reply)."""
+        try:
+            return self.conns[q].poll() and self.conns[q].recv() is not None
+        except (EOFError, OSError):
+            return False
+
     def _raise_if_one_died(self, others, grace: float) -> None:
         """A survivor's error often reports a peer that died (its collective lost the peer): give
         a dead rank's exit ``grace`` seconds to show and report it first, so that the error names
@@ -293,7 +318,7 @@ class _World:
                 if not self.procs[q].is_alive():
                     self.procs[q].join(1)
                     code = self.procs[q].exitcode
-                    if code not in (0, None) and not self.conns[q].poll():
+                    if code not in (0, None) and not self._sent_a_reply(q):
                         self.why = f"rank {q} exited with code {code}"
                         self.kill()
                         raise mp.ProcessExitedException(f"process {q} terminated with exit code {code}", q,

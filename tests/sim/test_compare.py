@@ -41,10 +41,13 @@ def test_lockstep_rows_wait_for_the_slowest_rank():
                                                                             "hdp-offload-lockstep"],
                                                    capacity=16384)}
     for free, lock in (("hdp", "hdp-lockstep"), ("hdp-offload", "hdp-offload-lockstep")):
-        # the same plan; lockstep slots can only add waiting (idle), never compute
-        assert res[lock].step_time_s >= res[free].step_time_s - 1e-9
+        # the same plan and the same compute; a lockstep slot lasts as long as its slowest member,
+        # so no rank finishes before the busiest rank's compute, and every rank but the slowest of
+        # a slot waits. (Lockstep may still beat the flat replay of the plan's order: it runs each
+        # rank's locals costliest first, Plan.group_lockstep, so step times are not compared.)
         assert np.allclose(res[lock].compute, res[free].compute)
-        assert res[lock].breakdown()["idle_s"] >= res[free].breakdown()["idle_s"] - 1e-9
+        assert res[lock].step_time_s >= float(np.max(res[lock].compute)) - 1e-9
+        assert res[lock].breakdown()["idle_s"] > 0
 
 
 def test_gain_shares_add_up():
