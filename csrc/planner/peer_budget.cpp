@@ -206,7 +206,8 @@ int WindowTree::best(int d) {
   return a_[1];
 }
 
-IntervalTimeline::IntervalTimeline(int W) : W_(W), start_{0, W}, t_{0.0} {}
+IntervalTimeline::IntervalTimeline(int W)
+    : W_(W), start_{0, W}, t_{0.0}, order_{{0.0, 0}}, run_of_(static_cast<size_t>(W) + 1, 0) {}
 
 double IntervalTimeline::freeAt(int r) const {
   const size_t k = static_cast<size_t>(std::upper_bound(start_.begin(), start_.end(), r) - start_.begin()) - 1;
@@ -225,6 +226,18 @@ void IntervalTimeline::occupy(int a, int d, double until) {
     start_.insert(start_.begin() + static_cast<std::ptrdiff_t>(k) + 1, x);
     t_.insert(t_.begin() + static_cast<std::ptrdiff_t>(k) + 1, t_[k]);
   };
+  // The time order loses the runs starting in [a, a + d) and gains [a, a + d) at `until` and,
+  // where a + d starts no run yet, the rest of the run holding it (its time unchanged).
+  std::pair<double, int> tail{0.0, -1};
+  if (a + d < W_) {
+    const size_t k = static_cast<size_t>(std::upper_bound(start_.begin(), start_.end(), a + d) - start_.begin()) - 1;
+    if (start_[k] != a + d) tail = {t_[k], a + d};
+  }
+  order_.erase(std::remove_if(order_.begin(), order_.end(),
+                              [&](const std::pair<double, int>& e) { return e.second >= a && e.second < a + d; }),
+               order_.end());
+  for (const std::pair<double, int>& e : {std::pair<double, int>{until, a}, tail})
+    if (e.second >= 0) order_.insert(std::lower_bound(order_.begin(), order_.end(), e), e);
   split(a);
   if (a + d < W_) split(a + d);
   const auto k0 = std::lower_bound(start_.begin(), start_.end(), a) - start_.begin();
@@ -232,6 +245,7 @@ void IntervalTimeline::occupy(int a, int d, double until) {
   t_[k0] = until;
   start_.erase(start_.begin() + k0 + 1, start_.begin() + k1);
   t_.erase(t_.begin() + k0 + 1, t_.begin() + k1);
+  for (size_t k = 0; k + 1 < start_.size(); ++k) run_of_[static_cast<size_t>(start_[k])] = static_cast<int>(k);
 }
 
 bool IntervalTimeline::window(double t, int d, const std::vector<double>& P, int& best_start,
@@ -286,11 +300,7 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
   // in increasing order: runs join their free neighbours in time order (union-find over runs).
   // Times are taken from a heap as the candidates need them (most choices look at few).
   Scratch& sc = scratch_;  // buffers kept across calls (no allocation per ring)
-  auto& heap = sc.heap;
-  heap.resize(R);
-  for (size_t k = 0; k < R; ++k) heap[k] = {t_[k], k};
-  const auto later = std::greater<std::pair<double, size_t>>();
-  std::make_heap(heap.begin(), heap.end(), later);
+  size_t next = 0;  // the next run of order_ to take
   auto& by_time = sc.by_time;  // the runs taken so far, in time order
   by_time.clear();
   by_time.reserve(R);
@@ -312,12 +322,10 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
   };
   int best_width = 0;
   auto next_time = [&]() {  // takes the runs of the next distinct time; false when none is left
-    if (heap.empty()) return false;
-    const double t = heap.front().first;
-    while (!heap.empty() && heap.front().first == t) {
-      std::pop_heap(heap.begin(), heap.end(), later);
-      const size_t k = heap.back().second;
-      heap.pop_back();
+    if (next == R) return false;
+    const double t = order_[next].first;
+    while (next < R && order_[next].first == t) {
+      const size_t k = static_cast<size_t>(run_of_[static_cast<size_t>(order_[next++].second)]);
       by_time.push_back(k);
       parent[k] = k;
       size[k] = start_[k + 1] - start_[k];

@@ -109,8 +109,11 @@ class IntervalTimeline {
   int W_;
   std::vector<int> start_;   // run k covers [start_[k], start_[k+1]) (start_.back() == W_)
   std::vector<double> t_;    // run k's free time
+  // Kept across rings (occupy() changes a few runs): the runs by (free time, start), which is
+  // choose()'s time order, and each run's index by its start rank.
+  std::vector<std::pair<double, int>> order_;
+  std::vector<int> run_of_;
   struct Scratch {  // choose()'s buffers, kept across calls
-    std::vector<std::pair<double, size_t>> heap;
     std::vector<size_t> by_time, last, parent;
     std::vector<double> times, P;
     std::vector<int> widest, size;
