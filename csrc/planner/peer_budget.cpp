@@ -248,20 +248,16 @@ void IntervalTimeline::occupy(int a, int d, double until) {
   for (size_t k = 0; k + 1 < start_.size(); ++k) run_of_[static_cast<size_t>(start_[k])] = static_cast<int>(k);
 }
 
-bool IntervalTimeline::window(double t, int d, const std::vector<double>& P, int& best_start,
-                              double& best_waste) const {
+void IntervalTimeline::stretch(size_t k, size_t e, double t, int d, const std::vector<double>& P,
+                               bool& have, int& best_start, double& best_waste) const {
   // P: prefix sums of free times at run starts. F(x): the sum over ranks [0, x), with a pointer
   // per monotone sequence of x (x at run starts + d, and run ends - d, both increase along runs).
   const size_t R = t_.size();
-  struct Cursor {
-    size_t k = 0;
-  };
-  auto F = [&](int x, Cursor& c) {
+  auto F = [&](int x, size_t& c) {
     if (x >= W_) return P[R];
-    while (start_[c.k + 1] <= x) ++c.k;
-    return P[c.k] + (x - start_[c.k]) * t_[c.k];
+    while (start_[c + 1] <= x) ++c;
+    return P[c] + (x - start_[c]) * t_[c];
   };
-  bool have = false;
   auto consider = [&](int x, double sum) {
     const double waste = d * t - sum;
     if (!have || waste < best_waste || (waste == best_waste && x < best_start)) {
@@ -270,9 +266,22 @@ bool IntervalTimeline::window(double t, int d, const std::vector<double>& P, int
       best_start = x;
     }
   };
+  size_t after_start = k, before_end = k;
+  const int S = start_[k], E = start_[e];
+  for (size_t j = k; j < e; ++j) {
+    if (start_[j] + d <= E) consider(start_[j], F(start_[j] + d, after_start) - P[j]);
+    const int x = start_[j + 1] - d;
+    if (x >= S) consider(x, P[j + 1] - F(x, before_end));
+  }
+}
+
+bool IntervalTimeline::window(double t, int d, const std::vector<double>& P, int& best_start,
+                              double& best_waste) const {
   // The waste of a window is piecewise linear in its start, so a best window starts at a run's
-  // start or ends at a run's end, inside a stretch of runs free by t.
-  Cursor after_start, before_end;
+  // start or ends at a run's end, inside a stretch of runs free by t. The best is the least
+  // (waste, start), whatever order the stretches are searched in.
+  const size_t R = t_.size();
+  bool have = false;
   size_t k = 0;
   while (k < R) {
     if (t_[k] > t) {
@@ -281,13 +290,7 @@ bool IntervalTimeline::window(double t, int d, const std::vector<double>& P, int
     }
     size_t e = k;
     while (e < R && t_[e] <= t) ++e;
-    const int S = start_[k], E = start_[e];
-    if (E - S >= d)
-      for (size_t j = k; j < e; ++j) {
-        if (start_[j] + d <= E) consider(start_[j], F(start_[j] + d, after_start) - P[j]);
-        const int x = start_[j + 1] - d;
-        if (x >= S) consider(x, P[j + 1] - F(x, before_end));
-      }
+    if (start_[e] - start_[k] >= d) stretch(k, e, t, d, P, have, best_start, best_waste);
     k = e;
   }
   return have;
@@ -316,6 +319,13 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
   parent.resize(R);
   size.assign(R, 0);
   on.assign(R, 0);
+  sc.first.resize(R);
+  sc.end.resize(R);
+  sc.wide.clear();
+  sc.in_wide.assign(R, 0);
+  sc.acc_w.resize(R);
+  sc.acc_n.resize(R);
+  sc.stamp.resize(R, 0);
   auto find = [&](size_t x) {
     while (parent[x] != x) x = parent[x] = parent[parent[x]];
     return x;
@@ -329,6 +339,8 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
       by_time.push_back(k);
       parent[k] = k;
       size[k] = start_[k + 1] - start_[k];
+      sc.first[k] = k;
+      sc.end[k] = k + 1;
       on[k] = 1;
       for (size_t nb : {k - 1, k + 1}) {
         if (nb >= R || !on[nb]) continue;  // k - 1 wraps to a huge index for k == 0
@@ -337,8 +349,15 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
         if (size[a] < size[b]) std::swap(a, b);
         parent[b] = a;
         size[a] += size[b];
+        sc.first[a] = std::min(sc.first[a], sc.first[b]);
+        sc.end[a] = std::max(sc.end[a], sc.end[b]);
       }
-      best_width = std::max(best_width, size[find(k)]);
+      const size_t c = find(k);
+      best_width = std::max(best_width, size[c]);
+      if (size[c] >= lo && !sc.in_wide[c]) {
+        sc.in_wide[c] = 1;
+        sc.wide.push_back(c);
+      }
     }
     times.push_back(t);
     widest.push_back(best_width);
@@ -359,9 +378,6 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
   auto cannot_beat = [&](size_t i, int d, double thr) {
     const double t = times[i];
     thr += 1e-9 * (d * std::abs(t) + std::abs(P[R]));
-    sc.acc_w.resize(R);
-    sc.acc_n.resize(R);
-    sc.stamp.resize(R, 0);
     ++sc.epoch;
     sc.started.clear();
     for (size_t q = last[i] + 1; q-- > 0;) {
@@ -413,7 +429,16 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
     double waste = 0;
     if (sz.fits) {
       if (have && best_fits && sz.d > lo && cannot_beat(i, sz.d, thr)) continue;
-      if (!window(t, sz.d, P, start, waste)) continue;
+      // window(t, sz.d) over the stretches at t (the union-find's now): those of >= lo ranks
+      bool found = false;
+      if (sz.d >= lo) {
+        for (size_t c : sc.wide)
+          if (parent[c] == c && size[c] >= sz.d)
+            stretch(sc.first[c], sc.end[c], t, sz.d, P, found, start, waste);
+      } else {
+        found = window(t, sz.d, P, start, waste);
+      }
+      if (!found) continue;
     }
     bool better;
     if (!have) better = true;

@@ -121,11 +121,17 @@ class IntervalTimeline {
     std::vector<double> acc_w;  // per stretch (union-find root): the bound's partial sums
     std::vector<int> acc_n, stamp;
     std::vector<size_t> started;
+    std::vector<size_t> first, end;  // per stretch (root): its runs [first, end)
+    std::vector<size_t> wide;        // roots of stretches of >= lo ranks (stale ones skipped)
+    std::vector<char> in_wide;
     int epoch = 0;
   };
   mutable Scratch scratch_;
   // the least-waste window of d ranks free by t: start and waste (false when none)
   bool window(double t, int d, const std::vector<double>& prefix, int& start, double& waste) const;
+  // window()'s search inside one stretch: runs [k, e) free by t, at least d ranks wide
+  void stretch(size_t k, size_t e, double t, int d, const std::vector<double>& prefix, bool& have,
+               int& start, double& waste) const;
 };
 
 }  // namespace detail
