@@ -214,6 +214,15 @@ double IntervalTimeline::freeAt(int r) const {
   return t_[k];
 }
 
+void IntervalTimeline::freeTimes(int a, int d, std::vector<double>& out) const {
+  out.resize(static_cast<size_t>(d));
+  size_t k = static_cast<size_t>(std::upper_bound(start_.begin(), start_.end(), a) - start_.begin()) - 1;
+  for (int r = a; r < a + d; ++r) {
+    while (start_[k + 1] <= r) ++k;
+    out[static_cast<size_t>(r - a)] = t_[k];
+  }
+}
+
 void IntervalTimeline::each(const std::function<void(int, double)>& f) const {
   for (size_t k = 0; k < t_.size(); ++k)
     for (int r = start_[k]; r < start_[k + 1]; ++r) f(r, t_[k]);
@@ -245,7 +254,7 @@ void IntervalTimeline::occupy(int a, int d, double until) {
   t_[k0] = until;
   start_.erase(start_.begin() + k0 + 1, start_.begin() + k1);
   t_.erase(t_.begin() + k0 + 1, t_.begin() + k1);
-  for (size_t k = 0; k + 1 < start_.size(); ++k) run_of_[static_cast<size_t>(start_[k])] = static_cast<int>(k);
+  for (size_t k = static_cast<size_t>(k0); k + 1 < start_.size(); ++k) run_of_[static_cast<size_t>(start_[k])] = static_cast<int>(k);
 }
 
 void IntervalTimeline::stretch(size_t k, size_t e, double t, int d, const std::vector<double>& P,

@@ -100,6 +100,8 @@ class IntervalTimeline {
   Choice choose(int lo, int cap, int candidates, double H, const Sizer& sizer) const;
 
   double freeAt(int r) const;
+  // out[i] = freeAt(a + i) for i in [0, d), a run at a time.
+  void freeTimes(int a, int d, std::vector<double>& out) const;
   // Ranks [a, a + d) become free at `until`.
   void occupy(int a, int d, double until);
   // Every rank with its free time (for the balanced strategy's locals).
