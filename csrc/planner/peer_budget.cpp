@@ -351,17 +351,18 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
       sc.first[k] = k;
       sc.end[k] = k + 1;
       on[k] = 1;
+      size_t c = k;  // k's root
       for (size_t nb : {k - 1, k + 1}) {
         if (nb >= R || !on[nb]) continue;  // k - 1 wraps to a huge index for k == 0
-        size_t a = find(k), b = find(nb);
+        size_t a = c, b = find(nb);
         if (a == b) continue;
         if (size[a] < size[b]) std::swap(a, b);
         parent[b] = a;
         size[a] += size[b];
         sc.first[a] = std::min(sc.first[a], sc.first[b]);
         sc.end[a] = std::max(sc.end[a], sc.end[b]);
+        c = a;
       }
-      const size_t c = find(k);
       best_width = std::max(best_width, size[c]);
       if (size[c] >= lo && !sc.in_wide[c]) {
         sc.in_wide[c] = 1;
