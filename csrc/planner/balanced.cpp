@@ -246,8 +246,8 @@ class Planner {
       auto sizer = [&](double t, int avail) {
         int d = minRanksWithin(cm_, rc.s, sh, (H - t) * v);
         const bool fits = d > 0 && d <= avail;
-        if (!fits) d = avail;
-        return IntervalTimeline::Size{d, fits, t + cm_.shardedTime(rc.s, d) / v};
+        if (fits) return IntervalTimeline::Size{d, true, 0.0};  // a fitting end is not read
+        return IntervalTimeline::Size{avail, false, t + cm_.shardedTime(rc.s, avail) / v};
       };
       const IntervalTimeline::Choice c = it.choose(sh.lo, sh.best, kIntervalCandidates, H, sizer);
       if (c.start < 0) throw std::logic_error("planner: no interval for a ring (world too small?)");

@@ -207,7 +207,8 @@ int WindowTree::best(int d) {
 }
 
 IntervalTimeline::IntervalTimeline(int W)
-    : W_(W), start_{0, W}, t_{0.0}, order_{{0.0, 0}}, run_of_(static_cast<size_t>(W) + 1, 0) {}
+    : W_(W), start_{0, W}, t_{0.0}, order_{{0.0, 0}}, run_of_(static_cast<size_t>(W) + 1, 0),
+      prefix_{0.0, 0.0} {}
 
 double IntervalTimeline::freeAt(int r) const {
   const size_t k = static_cast<size_t>(std::upper_bound(start_.begin(), start_.end(), r) - start_.begin()) - 1;
@@ -254,7 +255,13 @@ void IntervalTimeline::occupy(int a, int d, double until) {
   t_[k0] = until;
   start_.erase(start_.begin() + k0 + 1, start_.begin() + k1);
   t_.erase(t_.begin() + k0 + 1, t_.begin() + k1);
-  for (size_t k = static_cast<size_t>(k0); k + 1 < start_.size(); ++k) run_of_[static_cast<size_t>(start_[k])] = static_cast<int>(k);
+  // Runs before k0 keep their index and prefix sum (a split may have made run k0 - 1 end at a);
+  // the sums from there on are added up as before.
+  prefix_.resize(start_.size());
+  for (size_t k = static_cast<size_t>(std::max<std::ptrdiff_t>(k0 - 1, 0)); k + 1 < start_.size(); ++k) {
+    run_of_[static_cast<size_t>(start_[k])] = static_cast<int>(k);
+    prefix_[k + 1] = prefix_[k] + (start_[k + 1] - start_[k]) * t_[k];
+  }
 }
 
 void IntervalTimeline::stretch(size_t k, size_t e, double t, int d, const std::vector<double>& P,
@@ -374,10 +381,7 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
     last.push_back(by_time.size() - 1);
     return true;
   };
-  auto& P = sc.P;
-  P.resize(R + 1);
-  P[0] = 0;
-  for (size_t k = 0; k < R; ++k) P[k + 1] = P[k] + (start_[k + 1] - start_[k]) * t_[k];
+  const std::vector<double>& P = prefix_;
   // Whether no window of d ranks free by times[i] can have a waste below thr: a window lies in
   // one stretch (a union-find component at times[i], which it holds while candidate i is looked
   // at), and its waste is at least that of the d latest-free ranks of its stretch. Runs are taken

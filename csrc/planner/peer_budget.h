@@ -80,7 +80,8 @@ class IntervalTimeline {
   explicit IntervalTimeline(int W);
 
   // A ring's size at a candidate start time t, given the widest interval free by t (capped by the
-  // caller): d (at least choose's lo), whether it ends within the horizon, and when it ends.
+  // caller): d (at least choose's lo), whether it ends within the horizon, and when it ends
+  // (read only when it does not fit).
   struct Size {
     int d;
     bool fits;
@@ -115,9 +116,10 @@ class IntervalTimeline {
   // choose()'s time order, and each run's index by its start rank.
   std::vector<std::pair<double, int>> order_;
   std::vector<int> run_of_;
+  std::vector<double> prefix_;  // prefix_[k]: the sum of free times over ranks [0, start_[k])
   struct Scratch {  // choose()'s buffers, kept across calls
     std::vector<size_t> by_time, last, parent;
-    std::vector<double> times, P;
+    std::vector<double> times;
     std::vector<int> widest, size;
     std::vector<char> on;
     std::vector<double> acc_w;  // per stretch (union-find root): the bound's partial sums
