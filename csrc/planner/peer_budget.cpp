@@ -317,7 +317,8 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
   const size_t R = t_.size();
   // widest[i]: the widest stretch of consecutive ranks free by times[i], the distinct run times
   // in increasing order: runs join their free neighbours in time order (union-find over runs).
-  // Times are taken from a heap as the candidates need them (most choices look at few).
+  // Runs are taken from order_ (kept across rings) as the candidates need them; each stretch's
+  // root knows its runs, and those of >= lo ranks are listed (the windows' search at a time).
   Scratch& sc = scratch_;  // buffers kept across calls (no allocation per ring)
   size_t next = 0;  // the next run of order_ to take
   auto& by_time = sc.by_time;  // the runs taken so far, in time order
