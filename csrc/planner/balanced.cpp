@@ -120,6 +120,7 @@ class Planner {
   std::vector<char> has_shape_;
   std::vector<Visit> visited_;
   std::vector<double> prefix_min_;
+  std::vector<double> free_;  // placeIntervals: the free times of a ring's members
 
   const RingShape& shapeOf(int64_t seq, int dmin) {
     if (!has_shape_[seq]) {
@@ -245,17 +246,18 @@ class Planner {
       auto sizer = [&](double t, int avail) {
         int d = minRanksWithin(cm_, rc.s, sh, (H - t) * v);
         const bool fits = d > 0 && d <= avail;
-        if (!fits) d = avail;
-        return IntervalTimeline::Size{d, fits, t + cm_.shardedTime(rc.s, d) / v};
+        if (fits) return IntervalTimeline::Size{d, true, 0.0};  // a fitting end is not read
+        return IntervalTimeline::Size{avail, false, t + cm_.shardedTime(rc.s, avail) / v};
       };
       const IntervalTimeline::Choice c = it.choose(sh.lo, sh.best, kIntervalCandidates, H, sizer);
       if (c.start < 0) throw std::logic_error("planner: no interval for a ring (world too small?)");
       const int pidx = static_cast<int>(out.ring_seq.size());
       double ms = 1e300;
+      it.freeTimes(c.start, c.d, free_);
       for (int r = c.start; r < c.start + c.d; ++r) {
         out.members.push_back(r);
         ms = std::min(ms, ctx_.speed[r]);
-        const double f = it.freeAt(r);
+        const double f = free_[static_cast<size_t>(r - c.start)];
         if (f < c.t) out.gaps.push_back({r, (c.t - f) * ctx_.speed[r], pidx});
       }
       const double height = cm_.shardedTime(rc.s, c.d) / ms;

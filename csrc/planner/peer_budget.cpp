@@ -206,11 +206,22 @@ int WindowTree::best(int d) {
   return a_[1];
 }
 
-IntervalTimeline::IntervalTimeline(int W) : W_(W), start_{0, W}, t_{0.0} {}
+IntervalTimeline::IntervalTimeline(int W)
+    : W_(W), start_{0, W}, t_{0.0}, order_{{0.0, 0}}, run_of_(static_cast<size_t>(W) + 1, 0),
+      prefix_{0.0, 0.0} {}
 
 double IntervalTimeline::freeAt(int r) const {
   const size_t k = static_cast<size_t>(std::upper_bound(start_.begin(), start_.end(), r) - start_.begin()) - 1;
   return t_[k];
+}
+
+void IntervalTimeline::freeTimes(int a, int d, std::vector<double>& out) const {
+  out.resize(static_cast<size_t>(d));
+  size_t k = static_cast<size_t>(std::upper_bound(start_.begin(), start_.end(), a) - start_.begin()) - 1;
+  for (int r = a; r < a + d; ++r) {
+    while (start_[k + 1] <= r) ++k;
+    out[static_cast<size_t>(r - a)] = t_[k];
+  }
 }
 
 void IntervalTimeline::each(const std::function<void(int, double)>& f) const {
@@ -225,6 +236,18 @@ void IntervalTimeline::occupy(int a, int d, double until) {
     start_.insert(start_.begin() + static_cast<std::ptrdiff_t>(k) + 1, x);
     t_.insert(t_.begin() + static_cast<std::ptrdiff_t>(k) + 1, t_[k]);
   };
+  // The time order loses the runs starting in [a, a + d) and gains [a, a + d) at `until` and,
+  // where a + d starts no run yet, the rest of the run holding it (its time unchanged).
+  std::pair<double, int> tail{0.0, -1};
+  if (a + d < W_) {
+    const size_t k = static_cast<size_t>(std::upper_bound(start_.begin(), start_.end(), a + d) - start_.begin()) - 1;
+    if (start_[k] != a + d) tail = {t_[k], a + d};
+  }
+  order_.erase(std::remove_if(order_.begin(), order_.end(),
+                              [&](const std::pair<double, int>& e) { return e.second >= a && e.second < a + d; }),
+               order_.end());
+  for (const std::pair<double, int>& e : {std::pair<double, int>{until, a}, tail})
+    if (e.second >= 0) order_.insert(std::lower_bound(order_.begin(), order_.end(), e), e);
   split(a);
   if (a + d < W_) split(a + d);
   const auto k0 = std::lower_bound(start_.begin(), start_.end(), a) - start_.begin();
@@ -232,22 +255,25 @@ void IntervalTimeline::occupy(int a, int d, double until) {
   t_[k0] = until;
   start_.erase(start_.begin() + k0 + 1, start_.begin() + k1);
   t_.erase(t_.begin() + k0 + 1, t_.begin() + k1);
+  // Runs before k0 keep their index and prefix sum (a split may have made run k0 - 1 end at a);
+  // the sums from there on are added up as before.
+  prefix_.resize(start_.size());
+  for (size_t k = static_cast<size_t>(std::max<std::ptrdiff_t>(k0 - 1, 0)); k + 1 < start_.size(); ++k) {
+    run_of_[static_cast<size_t>(start_[k])] = static_cast<int>(k);
+    prefix_[k + 1] = prefix_[k] + (start_[k + 1] - start_[k]) * t_[k];
+  }
 }
 
-bool IntervalTimeline::window(double t, int d, const std::vector<double>& P, int& best_start,
-                              double& best_waste) const {
+void IntervalTimeline::stretch(size_t k, size_t e, double t, int d, const std::vector<double>& P,
+                               bool& have, int& best_start, double& best_waste) const {
   // P: prefix sums of free times at run starts. F(x): the sum over ranks [0, x), with a pointer
   // per monotone sequence of x (x at run starts + d, and run ends - d, both increase along runs).
   const size_t R = t_.size();
-  struct Cursor {
-    size_t k = 0;
-  };
-  auto F = [&](int x, Cursor& c) {
+  auto F = [&](int x, size_t& c) {
     if (x >= W_) return P[R];
-    while (start_[c.k + 1] <= x) ++c.k;
-    return P[c.k] + (x - start_[c.k]) * t_[c.k];
+    while (start_[c + 1] <= x) ++c;
+    return P[c] + (x - start_[c]) * t_[c];
   };
-  bool have = false;
   auto consider = [&](int x, double sum) {
     const double waste = d * t - sum;
     if (!have || waste < best_waste || (waste == best_waste && x < best_start)) {
@@ -256,9 +282,22 @@ bool IntervalTimeline::window(double t, int d, const std::vector<double>& P, int
       best_start = x;
     }
   };
+  size_t after_start = k, before_end = k;
+  const int S = start_[k], E = start_[e];
+  for (size_t j = k; j < e; ++j) {
+    if (start_[j] + d <= E) consider(start_[j], F(start_[j] + d, after_start) - P[j]);
+    const int x = start_[j + 1] - d;
+    if (x >= S) consider(x, P[j + 1] - F(x, before_end));
+  }
+}
+
+bool IntervalTimeline::window(double t, int d, const std::vector<double>& P, int& best_start,
+                              double& best_waste) const {
   // The waste of a window is piecewise linear in its start, so a best window starts at a run's
-  // start or ends at a run's end, inside a stretch of runs free by t.
-  Cursor after_start, before_end;
+  // start or ends at a run's end, inside a stretch of runs free by t. The best is the least
+  // (waste, start), whatever order the stretches are searched in.
+  const size_t R = t_.size();
+  bool have = false;
   size_t k = 0;
   while (k < R) {
     if (t_[k] > t) {
@@ -267,13 +306,7 @@ bool IntervalTimeline::window(double t, int d, const std::vector<double>& P, int
     }
     size_t e = k;
     while (e < R && t_[e] <= t) ++e;
-    const int S = start_[k], E = start_[e];
-    if (E - S >= d)
-      for (size_t j = k; j < e; ++j) {
-        if (start_[j] + d <= E) consider(start_[j], F(start_[j] + d, after_start) - P[j]);
-        const int x = start_[j + 1] - d;
-        if (x >= S) consider(x, P[j + 1] - F(x, before_end));
-      }
+    if (start_[e] - start_[k] >= d) stretch(k, e, t, d, P, have, best_start, best_waste);
     k = e;
   }
   return have;
@@ -284,13 +317,10 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
   const size_t R = t_.size();
   // widest[i]: the widest stretch of consecutive ranks free by times[i], the distinct run times
   // in increasing order: runs join their free neighbours in time order (union-find over runs).
-  // Times are taken from a heap as the candidates need them (most choices look at few).
+  // Runs are taken from order_ (kept across rings) as the candidates need them; each stretch's
+  // root knows its runs, and those of >= lo ranks are listed (the windows' search at a time).
   Scratch& sc = scratch_;  // buffers kept across calls (no allocation per ring)
-  auto& heap = sc.heap;
-  heap.resize(R);
-  for (size_t k = 0; k < R; ++k) heap[k] = {t_[k], k};
-  const auto later = std::greater<std::pair<double, size_t>>();
-  std::make_heap(heap.begin(), heap.end(), later);
+  size_t next = 0;  // the next run of order_ to take
   auto& by_time = sc.by_time;  // the runs taken so far, in time order
   by_time.clear();
   by_time.reserve(R);
@@ -306,41 +336,53 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
   parent.resize(R);
   size.assign(R, 0);
   on.assign(R, 0);
+  sc.first.resize(R);
+  sc.end.resize(R);
+  sc.wide.clear();
+  sc.in_wide.assign(R, 0);
+  sc.acc_w.resize(R);
+  sc.acc_n.resize(R);
+  sc.stamp.resize(R, 0);
   auto find = [&](size_t x) {
     while (parent[x] != x) x = parent[x] = parent[parent[x]];
     return x;
   };
   int best_width = 0;
   auto next_time = [&]() {  // takes the runs of the next distinct time; false when none is left
-    if (heap.empty()) return false;
-    const double t = heap.front().first;
-    while (!heap.empty() && heap.front().first == t) {
-      std::pop_heap(heap.begin(), heap.end(), later);
-      const size_t k = heap.back().second;
-      heap.pop_back();
+    if (next == R) return false;
+    const double t = order_[next].first;
+    while (next < R && order_[next].first == t) {
+      const size_t k = static_cast<size_t>(run_of_[static_cast<size_t>(order_[next++].second)]);
       by_time.push_back(k);
       parent[k] = k;
       size[k] = start_[k + 1] - start_[k];
+      sc.first[k] = k;
+      sc.end[k] = k + 1;
       on[k] = 1;
+      size_t c = k;  // k's root
       for (size_t nb : {k - 1, k + 1}) {
         if (nb >= R || !on[nb]) continue;  // k - 1 wraps to a huge index for k == 0
-        size_t a = find(k), b = find(nb);
+        size_t a = c, b = find(nb);
         if (a == b) continue;
         if (size[a] < size[b]) std::swap(a, b);
         parent[b] = a;
         size[a] += size[b];
+        sc.first[a] = std::min(sc.first[a], sc.first[b]);
+        sc.end[a] = std::max(sc.end[a], sc.end[b]);
+        c = a;
       }
-      best_width = std::max(best_width, size[find(k)]);
+      best_width = std::max(best_width, size[c]);
+      if (size[c] >= lo && !sc.in_wide[c]) {
+        sc.in_wide[c] = 1;
+        sc.wide.push_back(c);
+      }
     }
     times.push_back(t);
     widest.push_back(best_width);
     last.push_back(by_time.size() - 1);
     return true;
   };
-  auto& P = sc.P;
-  P.resize(R + 1);
-  P[0] = 0;
-  for (size_t k = 0; k < R; ++k) P[k + 1] = P[k] + (start_[k + 1] - start_[k]) * t_[k];
+  const std::vector<double>& P = prefix_;
   // Whether no window of d ranks free by times[i] can have a waste below thr: a window lies in
   // one stretch (a union-find component at times[i], which it holds while candidate i is looked
   // at), and its waste is at least that of the d latest-free ranks of its stretch. Runs are taken
@@ -351,9 +393,6 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
   auto cannot_beat = [&](size_t i, int d, double thr) {
     const double t = times[i];
     thr += 1e-9 * (d * std::abs(t) + std::abs(P[R]));
-    sc.acc_w.resize(R);
-    sc.acc_n.resize(R);
-    sc.stamp.resize(R, 0);
     ++sc.epoch;
     sc.started.clear();
     for (size_t q = last[i] + 1; q-- > 0;) {
@@ -405,7 +444,16 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
     double waste = 0;
     if (sz.fits) {
       if (have && best_fits && sz.d > lo && cannot_beat(i, sz.d, thr)) continue;
-      if (!window(t, sz.d, P, start, waste)) continue;
+      // window(t, sz.d) over the stretches at t (the union-find's now): those of >= lo ranks
+      bool found = false;
+      if (sz.d >= lo) {
+        for (size_t c : sc.wide)
+          if (parent[c] == c && size[c] >= sz.d)
+            stretch(sc.first[c], sc.end[c], t, sz.d, P, found, start, waste);
+      } else {
+        found = window(t, sz.d, P, start, waste);
+      }
+      if (!found) continue;
     }
     bool better;
     if (!have) better = true;

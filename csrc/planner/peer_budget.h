@@ -80,7 +80,8 @@ class IntervalTimeline {
   explicit IntervalTimeline(int W);
 
   // A ring's size at a candidate start time t, given the widest interval free by t (capped by the
-  // caller): d (at least choose's lo), whether it ends within the horizon, and when it ends.
+  // caller): d (at least choose's lo), whether it ends within the horizon, and when it ends
+  // (read only when it does not fit).
   struct Size {
     int d;
     bool fits;
@@ -100,6 +101,8 @@ class IntervalTimeline {
   Choice choose(int lo, int cap, int candidates, double H, const Sizer& sizer) const;
 
   double freeAt(int r) const;
+  // out[i] = freeAt(a + i) for i in [0, d), a run at a time.
+  void freeTimes(int a, int d, std::vector<double>& out) const;
   // Ranks [a, a + d) become free at `until`.
   void occupy(int a, int d, double until);
   // Every rank with its free time (for the balanced strategy's locals).
@@ -109,20 +112,30 @@ class IntervalTimeline {
   int W_;
   std::vector<int> start_;   // run k covers [start_[k], start_[k+1]) (start_.back() == W_)
   std::vector<double> t_;    // run k's free time
+  // Kept across rings (occupy() changes a few runs): the runs by (free time, start), which is
+  // choose()'s time order, and each run's index by its start rank.
+  std::vector<std::pair<double, int>> order_;
+  std::vector<int> run_of_;
+  std::vector<double> prefix_;  // prefix_[k]: the sum of free times over ranks [0, start_[k])
   struct Scratch {  // choose()'s buffers, kept across calls
-    std::vector<std::pair<double, size_t>> heap;
     std::vector<size_t> by_time, last, parent;
-    std::vector<double> times, P;
+    std::vector<double> times;
     std::vector<int> widest, size;
     std::vector<char> on;
     std::vector<double> acc_w;  // per stretch (union-find root): the bound's partial sums
     std::vector<int> acc_n, stamp;
     std::vector<size_t> started;
+    std::vector<size_t> first, end;  // per stretch (root): its runs [first, end)
+    std::vector<size_t> wide;        // roots of stretches of >= lo ranks (stale ones skipped)
+    std::vector<char> in_wide;
     int epoch = 0;
   };
   mutable Scratch scratch_;
   // the least-waste window of d ranks free by t: start and waste (false when none)
   bool window(double t, int d, const std::vector<double>& prefix, int& start, double& waste) const;
+  // window()'s search inside one stretch: runs [k, e) free by t, at least d ranks wide
+  void stretch(size_t k, size_t e, double t, int d, const std::vector<double>& prefix, bool& have,
+               int& start, double& waste) const;
 };
 
 }  // namespace detail

@@ -3,6 +3,7 @@
 // planned steps no rank has more than K distinct ring neighbours, for every ring-forming strategy.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -320,5 +321,79 @@ TEST(PeerBudget, WindowTreeMatchesTheScan) {
     }
     EXPECT_EQ(tree.best(0), -1);
     EXPECT_EQ(tree.best(W + 1), -1);
+  }
+}
+
+// IntervalTimeline (balanced's intervals, its time order kept across occupy() calls) against a
+// scan of every rank, on integer free times (exact wastes, so ties resolve the same): after random
+// occupies (the chosen interval mostly), freeAt / freeTimes / each match the ranks' times and
+// choose() the rule: from the earliest time an interval of lo ranks is free, at most `cand`
+// distinct times; at each the size from the sizer and the window of least waste (then lowest
+// start); the least waste wins (then the earliest), a zero waste ends the search.
+TEST(PeerBudget, IntervalTimelineMatchesTheScan) {
+  std::mt19937_64 rng(11);
+  for (int W : {1, 2, 7, 40, 130}) {
+    detail::IntervalTimeline tl(W);
+    std::vector<double> f(W, 0.0);
+    for (int step = 0; step < 300; ++step) {
+      const int lo = 1 + static_cast<int>(rng() % std::min(W, 9));
+      const int cap = lo + static_cast<int>(rng() % 5);
+      const int cand = 1 + static_cast<int>(rng() % 8);
+      const int bump = static_cast<int>(rng() % 3);
+      auto sizer = [&](double t, int avail) {
+        const int d = std::min(avail, lo + (static_cast<int>(t) + bump) % 3);
+        return detail::IntervalTimeline::Size{d, true, t + d};
+      };
+      auto widest = [&](double t) {
+        int w = 0, run = 0;
+        for (int r = 0; r < W; ++r) w = std::max(w, run = f[r] <= t ? run + 1 : 0);
+        return w;
+      };
+      std::vector<double> times(f);
+      std::sort(times.begin(), times.end());
+      times.erase(std::unique(times.begin(), times.end()), times.end());
+      bool have = false;
+      int bs = -1, bd = 0, seen = 0;
+      double bt = 0, bw = 0;
+      for (double t : times) {
+        if (widest(t) < lo) continue;
+        if (have && seen >= cand) break;
+        ++seen;
+        const int d = sizer(t, std::min(widest(t), cap)).d;
+        int s = -1;
+        double w = 0;
+        for (int a = 0; a + d <= W; ++a) {
+          double sum = 0;
+          bool ok = true;
+          for (int r = a; r < a + d; ++r) ok = ok && f[r] <= t, sum += t - f[r];
+          if (ok && (s < 0 || sum < w)) s = a, w = sum;
+        }
+        if (s < 0) continue;
+        if (!have || w < bw) have = true, bs = s, bd = d, bt = t, bw = w;
+        if (bw == 0) break;
+      }
+      const detail::IntervalTimeline::Choice c = tl.choose(lo, cap, cand, 1e18, sizer);
+      ASSERT_EQ(c.start, bs) << "W " << W << " step " << step;
+      ASSERT_EQ(c.d, bd);
+      ASSERT_EQ(c.t, bt);
+      // occupy the choice, or another interval now and then, until after its ranks are free
+      int a = c.start, d = c.d;
+      if (rng() % 4 == 0) {
+        d = 1 + static_cast<int>(rng() % W);
+        a = static_cast<int>(rng() % (W - d + 1));
+      }
+      double until = 0;
+      for (int r = a; r < a + d; ++r) until = std::max(until, f[r]);
+      until += static_cast<double>(rng() % 4);  // 0 makes equal times
+      tl.occupy(a, d, until);
+      for (int r = a; r < a + d; ++r) f[r] = until;
+      for (int r = 0; r < W; ++r) ASSERT_EQ(tl.freeAt(r), f[r]);
+      std::vector<double> got;
+      tl.freeTimes(a, d, got);
+      ASSERT_EQ(got, std::vector<double>(f.begin() + a, f.begin() + a + d));
+      std::vector<double> each(W, -1.0);
+      tl.each([&](int r, double t) { each[r] = t; });
+      ASSERT_EQ(each, f);
+    }
   }
 }
