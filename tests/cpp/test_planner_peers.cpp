@@ -3,6 +3,8 @@
 // planned steps no rank has more than K distinct ring neighbours, for every ring-forming strategy.
 #include <gtest/gtest.h>
 
+#include "heavy_tail_batch.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -29,17 +31,7 @@ uint64_t fnv(const std::vector<uint8_t>& b) {
   return h;
 }
 
-// Lengths like the paper's corpora: mostly short, a heavy tail up to `longest`.
-std::vector<int64_t> batch(std::mt19937_64& rng, int n, int64_t cap, int64_t longest) {
-  std::vector<int64_t> v;
-  std::uniform_real_distribution<double> u(0, 1);
-  for (int i = 0; i < n; ++i) {
-    const double x = u(rng);
-    const double hi = x < 0.75 ? cap : x < 0.95 ? 4.0 * cap : static_cast<double>(longest);
-    v.push_back(std::max<int64_t>(1, static_cast<int64_t>(std::exp(u(rng) * std::log(hi)))));
-  }
-  return v;
-}
+using bytescale_test::heavyTailBatch;  // lengths like the paper's corpora (heavy_tail_batch.h)
 
 struct Case {
   Strategy strategy;
@@ -153,7 +145,7 @@ TEST(PeerBudget, ZeroReproducesTheUnboundedPlanner) {
     for (int seed = 0; seed < 2; ++seed) {
       std::mt19937_64 rng(1000 + 17 * c.world + seed);
       const int64_t cap = 4096;
-      const auto lens = batch(rng, 3 * c.world, cap, 12 * cap);
+      const auto lens = heavyTailBatch(rng, 3 * c.world, cap, 12 * cap);
       PlanOptions o = optionsFor(c, cap);
       o.peer_budget = 0;
       const uint64_t h = fnv(makePlan(lens, o).serialize());
@@ -262,7 +254,7 @@ TEST(PeerBudget, UnboundedPlansExceedTheBudget) {
     o.world_size = 1024;
     o.capacity = 4096;
     o.peer_budget = 0;
-    nb.add(makePlan(batch(rng, 3000, 4096, 64 * 4096), o));
+    nb.add(makePlan(heavyTailBatch(rng, 3000, 4096, 64 * 4096), o));
   }
   EXPECT_GT(nb.most(), 4u);
 }

@@ -2,6 +2,8 @@
 // than pow2 under the replay), and errors on bad input.
 #include <gtest/gtest.h>
 
+#include "heavy_tail_batch.h"
+
 #include <cmath>
 #include <limits>
 #include <random>
@@ -29,17 +31,7 @@ CostModel randomModel(std::mt19937_64& rng) {
   return m;
 }
 
-// Lengths like the paper's corpora: mostly short, a heavy tail up to `longest`.
-std::vector<int64_t> batch(std::mt19937_64& rng, int n, int64_t cap, int64_t longest) {
-  std::vector<int64_t> v;
-  std::uniform_real_distribution<double> u(0, 1);
-  for (int i = 0; i < n; ++i) {
-    const double x = u(rng);
-    const double hi = x < 0.75 ? cap : x < 0.95 ? 4.0 * cap : static_cast<double>(longest);
-    v.push_back(std::max<int64_t>(1, static_cast<int64_t>(std::exp(u(rng) * std::log(hi)))));
-  }
-  return v;
-}
+using bytescale_test::heavyTailBatch;  // lengths like the paper's corpora (heavy_tail_batch.h)
 
 }  // namespace
 
@@ -148,7 +140,7 @@ TEST(Balanced, SyncStepNeverWorseThanPow2OnRandomBatches) {
       }
     }
     const int n = 1 + static_cast<int>(rng() % 400);
-    auto lens = batch(rng, n, o.capacity, o.capacity * std::max(1, o.world_size) / 2 + 1);
+    auto lens = heavyTailBatch(rng, n, o.capacity, o.capacity * std::max(1, o.world_size) / 2 + 1);
     o.strategy = Strategy::kPow2;
     Plan pow2;
     try {
@@ -218,7 +210,7 @@ TEST(Balanced, LocalsMayPrecedeRingsAndOrderIsConsistent) {
     o.peer_budget = 0;  // the timeline's gaps (intervals under a budget rarely leave waits)
     o.world_size = 6 + static_cast<int>(rng() % 20);
     o.capacity = 256;
-    auto lens = batch(rng, 300, 256, 256 * o.world_size / 2);
+    auto lens = heavyTailBatch(rng, 300, 256, 256 * o.world_size / 2);
     Plan p = makePlan(lens, o);
     ASSERT_NO_THROW(p.verify(lens, o));
     for (int r = 0; r < o.world_size; ++r) {
