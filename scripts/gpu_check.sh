@@ -11,7 +11,8 @@
 #   build      the extension with its CUDA plug-ins, and the environment record (env.json)
 #   staged     2-4 processes on this one GPU (BYTESCALE_CUDA_TRANSPORT=staged): ring attention
 #              with the real flash/cuDNN steps, CUDA collectives, static groups, HDP + offload,
-#              PP 2 x HDP 2; then the 2-process training demo
+#              PP 2 x HDP 2 (the one StepExecutor's 1F1B schedule and stage I/O; its lockstep
+#              agreement is a CPU all-reduce on the world group); then the 2-process training demo
 #   tests      correctness of every CUDA test (tests/cuda/, the CUDA offload and copy engines),
 #              device_id=, a second NCCL rank on one GPU, the one-GPU smoke run to exit
 #   grad       the HF model's training on CUDA's autograd device thread (checkpoint recompute)

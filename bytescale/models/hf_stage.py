@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..attention.api import current_layout, micro_batch_context
 from ..attention.layout import Layout
+from .llama import stage_input
 
 __all__ = ["HFPipelineStage", "hf_pipeline_stage", "VERIFIED_MODEL_TYPES"]
 
@@ -136,16 +137,9 @@ class HFPipelineStage(nn.Module):
         states (T, hidden_size) before it. ``global_tokens`` is accepted for the protocol (no
         balance loss here)."""
         inner = self.model
-        if inner.embed_tokens is not None:
-            if input_ids is None or input_ids.dim() != 1:
-                raise ValueError(f"HFPipelineStage {self.stage} of {self.stages} (the first) takes packed 1-D "
-                                 f"input_ids (T,), got {None if input_ids is None else tuple(input_ids.shape)}")
-            x = inner.embed_tokens(input_ids)
-        else:
-            if hidden is None or hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
-                raise ValueError(f"HFPipelineStage {self.stage} of {self.stages} takes hidden= (T, {self.hidden_size}), "
-                                 f"the previous stage's output; got {None if hidden is None else tuple(hidden.shape)}")
-            x = hidden
+        first = " (the first)" if inner.embed_tokens is not None else ""
+        x = stage_input(inner.embed_tokens, input_ids, hidden, self.hidden_size,
+                        f"HFPipelineStage {self.stage} of {self.stages}{first}")
         if position_ids is None:
             position_ids = torch.arange(x.shape[0], device=x.device)
         if position_ids.shape != x.shape[:1]:

@@ -186,6 +186,22 @@ def autocast_safe_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     return attention(q, k, v, **kw)
 
 
+def stage_input(embed: Optional[nn.Module], input_ids: Optional[torch.Tensor], hidden: Optional[torch.Tensor],
+                width: int, who: str) -> torch.Tensor:
+    """A pipeline stage's input (the stage model protocol, bytescale/runtime/stage_io.py): the
+    first stage (it has the embedding) embeds packed 1-D ``input_ids``; a later one takes the
+    previous stage's ``hidden`` states ``(T, width)``. ValueError naming ``who`` otherwise."""
+    if embed is not None:
+        if input_ids is None or input_ids.dim() != 1:
+            raise ValueError(f"{who} takes packed 1-D input_ids (T,), got "
+                             f"{None if input_ids is None else tuple(input_ids.shape)}")
+        return embed(input_ids)
+    if hidden is None or hidden.dim() != 2 or hidden.shape[1] != width:
+        raise ValueError(f"{who} takes hidden= (T, {width}), the previous stage's output; got "
+                         f"{None if hidden is None else tuple(hidden.shape)}")
+    return hidden
+
+
 def sequence_shard_rows(tokens: int, tp: int, index: int) -> int:
     """Rows of ``tokens`` that TP rank ``index`` of ``tp`` holds under sequence parallelism (the
     DTensor ``Shard(0)`` split: ceil(tokens / tp) each, the last ones fewer or none)."""
@@ -290,16 +306,8 @@ class Llama(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 layout: Optional[Layout] = None, *, global_tokens: Optional[int] = None,
                 return_aux: bool = False, hidden: Optional[torch.Tensor] = None):
-        if self.embed is not None:
-            if input_ids is None or input_ids.dim() != 1:
-                raise ValueError(f"Llama expects packed 1-D input_ids (T,), got "
-                                 f"{None if input_ids is None else tuple(input_ids.shape)}")
-            x = self.embed(input_ids)
-        else:
-            if hidden is None or hidden.dim() != 2 or hidden.shape[1] != self.cfg.dim:
-                raise ValueError(f"Llama stage {self.stage} of {self.stages} takes hidden= (T, {self.cfg.dim}), the "
-                                 f"previous stage's output; got {None if hidden is None else tuple(hidden.shape)}")
-            x = hidden
+        x = stage_input(self.embed, input_ids, hidden, self.cfg.dim, f"Llama stage {self.stage} of {self.stages}")
+        if self.embed is None:
             if getattr(self, "sequence_parallel", False) and not hasattr(x, "placements"):
                 x = _sequence_shard(x, self.tp_mesh, position_ids)
         if position_ids is None:
