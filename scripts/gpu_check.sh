@@ -78,6 +78,15 @@ FAIL=0
 #                                                     ARGS parsed by the trainer's option parser)
 # shell  NAME TIMEOUT COMMAND...                      anything else (dry run: the command resolves)
 DRY_TESTS=()
+DRY_CHECKS=$OUT/dry-checks.tsv  # the Python checks, run at the end in one interpreter (gpu_check_dry.py)
+[ "$DRY" = 1 ] && : > "$DRY_CHECKS"
+CUR_STAGE=
+dry_check() {  # name kind args...: queue one check of the current stage
+  local name=$1 kind=$2; shift 2
+  printf '%s\t%s\t%s' "$CUR_STAGE" "$name" "$kind" >> "$DRY_CHECKS"
+  printf '\t%s' "$@" >> "$DRY_CHECKS"
+  printf '\n' >> "$DRY_CHECKS"
+}
 
 record() {  # name rc seconds log
   local status=pass
@@ -126,8 +135,7 @@ script_step() {
   local name=$1 t=$2 script=$3; shift 3
   if [ "$DRY" = 1 ]; then
     if [ ! -f "$script" ]; then echo "dry run: $name: missing $script"; FAIL=1; return; fi
-    if $PY "$script" --help >/dev/null 2>"$OUT/dry-$name.err"; then echo "dry run: $name: $script --help ok"
-    else echo "dry run: $name: $script --help failed:"; tail -5 "$OUT/dry-$name.err"; FAIL=1; fi
+    dry_check "$name" script "$script"
     return
   fi
   timed "$name" "$t" "$OUT/$name.log" $PY "$script" "$@"
@@ -136,8 +144,7 @@ script_step() {
 module_step() {
   local name=$1 t=$2 mod=$3; shift 3
   if [ "$DRY" = 1 ]; then
-    if $PY -m "$mod" --help >/dev/null 2>"$OUT/dry-$name.err"; then echo "dry run: $name: -m $mod --help ok"
-    else echo "dry run: $name: python -m $mod --help failed:"; tail -5 "$OUT/dry-$name.err"; FAIL=1; fi
+    dry_check "$name" module "$mod"
     return
   fi
   timed "$name" "$t" "$OUT/$name.log" "$@"
@@ -149,9 +156,7 @@ train_step() {
   local name=$1 t=$2 nproc=$3 envs=$4; shift 4
   if [ "$DRY" = 1 ]; then
     module_step "$name" 0 bytescale.train
-    if $PY -c 'import sys; from bytescale.train.config import parse_args; parse_args(sys.argv[1:])' "$@" \
-        >/dev/null 2>"$OUT/dry-$name-args.err"; then echo "dry run: $name: bytescale.train options ok"
-    else echo "dry run: $name: bytescale.train rejects the options:"; tail -5 "$OUT/dry-$name-args.err"; FAIL=1; fi
+    dry_check "$name" train "$@"
     return
   fi
   timed "$name" "$t" "$OUT/$name.log" env $envs $PY -m torch.distributed.run --standalone \
@@ -279,15 +284,24 @@ stage_demo() {
     --checkpoint-dir "$OUT/ckpt" --resume --metrics "$OUT/train.jsonl"
 }
 
+declare -A STAGE_FAILED=()
 for s in "${STAGES[@]}"; do
   before=$FAIL
   FAIL=0
+  CUR_STAGE=$s
   "stage_$s"
-  [ "$DRY" = 1 ] && { [ "$FAIL" = 0 ] && echo "dry run: stage $s resolves" || echo "dry run: stage $s FAILED"; }
+  [ "$FAIL" = 1 ] && STAGE_FAILED[$s]=1
   [ "$before" = 1 ] && FAIL=1
 done
 
 if [ "$DRY" = 1 ]; then
+  # the queued Python checks (scripts' and modules' --help, the trainer's options), in one process
+  $PY scripts/gpu_check_dry.py "$DRY_CHECKS" > "$OUT/dry-checks.log" 2>&1 || FAIL=1
+  grep -v '^failed-stage ' "$OUT/dry-checks.log"
+  while read -r _ s; do STAGE_FAILED[$s]=1; done < <(grep '^failed-stage ' "$OUT/dry-checks.log")
+  for s in "${STAGES[@]}"; do
+    [ -z "${STAGE_FAILED[$s]:-}" ] && echo "dry run: stage $s resolves" || echo "dry run: stage $s FAILED"
+  done
   # every test the stages name, collected in one pytest run (a missing file or test fails it)
   for t in "${DRY_TESTS[@]}"; do [ -e "${t%%::*}" ] || { echo "dry run: missing ${t%%::*}"; FAIL=1; }; done
   if $PY -m pytest --collect-only -q -p no:cacheprovider "${DRY_TESTS[@]}" >"$OUT/dry-collect.log" 2>&1; then

@@ -70,9 +70,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return out.to(x.dtype) * self.weight
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` over its last dimension (computed in float32 for half inputs), times ``weight``."""
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return out.to(x.dtype) * weight
 
 
 def rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
@@ -209,9 +214,10 @@ def sequence_shard_rows(tokens: int, tp: int, index: int) -> int:
     return max(0, min(tokens, per * (index + 1)) - per * index)
 
 
-def _sequence_shard(x: torch.Tensor, tp_mesh, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
-    """A received stage input (this TP rank's rows of the sequence) as the ``Shard(0)`` DTensor the
-    sequence-parallel layers take; the micro-batch's token count comes from ``position_ids``."""
+def _sequence_shard(x: torch.Tensor, tp_mesh, position_ids: Optional[torch.Tensor], local: bool) -> torch.Tensor:
+    """A received stage input (this TP rank's rows of the sequence), checked, as the layers take
+    it: the rows themselves (``local``: the local TP plan) or the ``Shard(0)`` DTensor torch's
+    sequence-parallel styles take; the micro-batch's token count comes from ``position_ids``."""
     from torch.distributed.tensor import DTensor, Shard
 
     if position_ids is None:
@@ -221,6 +227,8 @@ def _sequence_shard(x: torch.Tensor, tp_mesh, position_ids: Optional[torch.Tenso
     if x.shape[0] != want:
         raise ValueError(f"Llama: this TP rank holds {want} of the {tokens} tokens under sequence parallelism, "
                          f"got hidden of {x.shape[0]} rows")
+    if local:
+        return x
     return DTensor.from_local(x, tp_mesh, [Shard(0)], run_check=False, shape=(tokens, x.shape[1]),
                               stride=(x.shape[1], 1))
 
@@ -309,9 +317,10 @@ class Llama(nn.Module):
         x = stage_input(self.embed, input_ids, hidden, self.cfg.dim, f"Llama stage {self.stage} of {self.stages}")
         if self.embed is None:
             if getattr(self, "sequence_parallel", False) and not hasattr(x, "placements"):
-                x = _sequence_shard(x, self.tp_mesh, position_ids)
-        if position_ids is None:
-            position_ids = torch.arange(x.shape[0], device=x.device)
+                x = _sequence_shard(x, self.tp_mesh, position_ids, getattr(self, "tp_compute", "") == "local")
+        if position_ids is None:  # (a sequence-parallel first stage holds only its rows of the embedding)
+            n = input_ids.shape[0] if self.embed is not None else x.shape[0]
+            position_ids = torch.arange(n, device=x.device)
         aux = None
         for layer in self.layers.values():
             args = (x, position_ids, layout) + ((global_tokens,) if self.cfg.is_moe else ())

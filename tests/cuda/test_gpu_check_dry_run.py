@@ -67,3 +67,29 @@ def test_gpu_check_rejects_an_unknown_stage(tmp_path):
     res = subprocess.run(["bash", str(SCRIPT), "--stage", "no-such-stage"], cwd=REPO,
                          env=dict(os.environ, OUT=str(tmp_path)), capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "unknown stage 'no-such-stage'" in res.stderr
+
+
+def test_dry_run_checks_fail_naming_the_stage_and_the_step(tmp_path):
+    """The dry run's Python checks (scripts/gpu_check_dry.py, one interpreter for all of them): a
+    script that fails its ``--help``, a missing module and an option the trainer does not know each
+    fail, named with their stage and step; the good ones pass."""
+    bad_script = tmp_path / "bad.py"
+    bad_script.write_text("import argparse\nraise ImportError('no such kernel library')\n")
+    checks = tmp_path / "checks.tsv"
+    rows = [("speed", "good", "script", "benchmarks/bench_comm.py"),
+            ("speed", "broken", "script", str(bad_script)),
+            ("grad", "nomod", "module", "bytescale.no_such_module"),
+            ("demo", "args", "train", "--steps", "3", "--no-such-option"),
+            ("tests", "fine", "train", "--steps", "3", "--bf16")]
+    checks.write_text("".join("\t".join(r) + "\n" for r in rows))
+    res = subprocess.run(["python3", str(REPO / "scripts" / "gpu_check_dry.py"), str(checks)], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    out = res.stdout
+    assert res.returncode == 1, out + res.stderr
+    assert "dry run: good: benchmarks/bench_comm.py --help ok" in out, out
+    assert "dry run: fine: bytescale.train options ok" in out, out
+    assert "dry run: broken:" in out and "no such kernel library" in out, out
+    assert "dry run: nomod: -m bytescale.no_such_module --help failed" in out, out
+    assert "dry run: args: bytescale.train options failed" in out and "no-such-option" in out, out
+    assert sorted(line.split()[1] for line in out.splitlines() if line.startswith("failed-stage")) == \
+        ["demo", "grad", "speed"], out
