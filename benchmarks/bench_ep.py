@@ -81,8 +81,8 @@ def main(argv=None) -> None:
                      "last_loss": rs[0]["rows"][-1]["loss"], "load": statistics.mean(run["load"] for run in rs),
                      "steps_measured": len(times)}
     base = out["replicated (EP 1)"]["median_step_s"]
-    print(f"| config | expert params / rank | expert MiB / rank (param+grad+AdamW) | median step (s) | tokens/s | "
-          f"vs EP 1 | last loss | load |")
+    print("| config | expert params / rank | expert MiB / rank (param+grad+AdamW) | median step (s) | tokens/s | "
+          "vs EP 1 | last loss | load |")
     print("|---|---|---|---|---|---|---|---|")
     for name, o in out.items():
         print(f"| {name} | {o['expert_params_per_rank']} | {o['expert_mib_per_rank']:.2f} | {o['median_step_s']:.3f} | "
