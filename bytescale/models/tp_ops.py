@@ -88,6 +88,11 @@ def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     return _AllReduce.apply(x, group)
 
 
+# newer torch names them *_single (its *_tensor names warn as deprecated); older torch has only those
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _per(tokens: int, tp: int) -> int:
     return -(-tokens // tp) if tokens else 0
 
@@ -101,7 +106,7 @@ def _all_gather_rows(x: torch.Tensor, tokens: int, group, tp: int) -> torch.Tens
     pad = x.new_zeros((per,) + tail)
     pad[: x.shape[0]] = x
     out = x.new_empty((per * tp,) + tail)
-    dist.all_gather_into_tensor(out, pad, group=group)
+    _all_gather(out, pad, group=group)
     return out[:tokens]
 
 
@@ -116,7 +121,7 @@ def _reduce_scatter_rows(x: torch.Tensor, group, tp: int, index: int) -> torch.T
     pad = x.new_zeros((per * tp,) + tail)
     pad[:tokens] = x
     out = x.new_empty((per,) + tail)
-    dist.reduce_scatter_tensor(out, pad, group=group)
+    _reduce_scatter(out, pad, group=group)
     return out[:rows]
 
 
