@@ -230,35 +230,51 @@ void IntervalTimeline::each(const std::function<void(int, double)>& f) const {
 }
 
 void IntervalTimeline::occupy(int a, int d, double until) {
-  auto split = [&](int x) {  // a run starts at x (x < W)
-    const size_t k = static_cast<size_t>(std::upper_bound(start_.begin(), start_.end(), x) - start_.begin()) - 1;
-    if (start_[k] == x) return;
-    start_.insert(start_.begin() + static_cast<std::ptrdiff_t>(k) + 1, x);
-    t_.insert(t_.begin() + static_cast<std::ptrdiff_t>(k) + 1, t_[k]);
-  };
-  // The time order loses the runs starting in [a, a + d) and gains [a, a + d) at `until` and,
-  // where a + d starts no run yet, the rest of the run holding it (its time unchanged).
-  std::pair<double, int> tail{0.0, -1};
-  if (a + d < W_) {
-    const size_t k = static_cast<size_t>(std::upper_bound(start_.begin(), start_.end(), a + d) - start_.begin()) - 1;
-    if (start_[k] != a + d) tail = {t_[k], a + d};
+  // Runs [lo, hi) give way to (a, until) and, where a + d falls inside a run, that run's rest
+  // (a + d, its time): one splice of start_ / t_ (a run cut at a keeps its start and time; runs
+  // of equal time are not merged), and the same runs in the time order.
+  const int b = a + d;
+  const size_t R = t_.size();
+  const size_t ka = static_cast<size_t>(std::upper_bound(start_.begin(), start_.end(), a) - start_.begin()) - 1;
+  const size_t kb = b < W_ ? static_cast<size_t>(std::upper_bound(start_.begin() + ka, start_.end(), b) - start_.begin()) - 1 : R;
+  const bool cut_b = b < W_ && start_[kb] != b;
+  const double t_tail = cut_b ? t_[kb] : 0.0;
+  const size_t lo = start_[ka] == a ? ka : ka + 1;
+  const size_t hi = cut_b ? kb + 1 : kb;
+  const size_t n_new = cut_b ? 2 : 1;
+  // The time order: drop the runs starting in [a, b), merge in the (at most 2) new ones (keys are
+  // unique: one run per start), in one pass.
+  std::pair<double, int> add[2] = {{until, a}, {t_tail, b}};
+  if (n_new == 2 && add[1] < add[0]) std::swap(add[0], add[1]);
+  std::vector<std::pair<double, int>>& next = order_next_;
+  next.clear();
+  size_t q = 0;
+  for (const std::pair<double, int>& e : order_) {
+    if (e.second >= a && e.second < b) continue;
+    while (q < n_new && add[q] < e) next.push_back(add[q++]);
+    next.push_back(e);
   }
-  order_.erase(std::remove_if(order_.begin(), order_.end(),
-                              [&](const std::pair<double, int>& e) { return e.second >= a && e.second < a + d; }),
-               order_.end());
-  for (const std::pair<double, int>& e : {std::pair<double, int>{until, a}, tail})
-    if (e.second >= 0) order_.insert(std::lower_bound(order_.begin(), order_.end(), e), e);
-  split(a);
-  if (a + d < W_) split(a + d);
-  const auto k0 = std::lower_bound(start_.begin(), start_.end(), a) - start_.begin();
-  const auto k1 = std::lower_bound(start_.begin(), start_.end(), a + d) - start_.begin();
-  t_[k0] = until;
-  start_.erase(start_.begin() + k0 + 1, start_.begin() + k1);
-  t_.erase(t_.begin() + k0 + 1, t_.begin() + k1);
-  // Runs before k0 keep their index and prefix sum (a split may have made run k0 - 1 end at a);
-  // the sums from there on are added up as before.
+  while (q < n_new) next.push_back(add[q++]);
+  order_.swap(next);
+  // start_ (R + 1 entries, the last W) and t_: the slots [lo, hi) become n_new.
+  const size_t n_old = hi - lo;
+  if (n_new > n_old) {
+    start_.insert(start_.begin() + static_cast<std::ptrdiff_t>(lo), n_new - n_old, 0);
+    t_.insert(t_.begin() + static_cast<std::ptrdiff_t>(lo), n_new - n_old, 0.0);
+  } else if (n_new < n_old) {
+    start_.erase(start_.begin() + static_cast<std::ptrdiff_t>(lo + n_new), start_.begin() + static_cast<std::ptrdiff_t>(hi));
+    t_.erase(t_.begin() + static_cast<std::ptrdiff_t>(lo + n_new), t_.begin() + static_cast<std::ptrdiff_t>(hi));
+  }
+  start_[lo] = a;
+  t_[lo] = until;
+  if (cut_b) {
+    start_[lo + 1] = b;
+    t_[lo + 1] = t_tail;
+  }
+  // Runs before lo keep their index and prefix sum (a cut may have made run lo - 1 end at a);
+  // the sums from there on are added up as before (the same order: the same values).
   prefix_.resize(start_.size());
-  for (size_t k = static_cast<size_t>(std::max<std::ptrdiff_t>(k0 - 1, 0)); k + 1 < start_.size(); ++k) {
+  for (size_t k = lo > 0 ? lo - 1 : 0; k + 1 < start_.size(); ++k) {
     run_of_[static_cast<size_t>(start_[k])] = static_cast<int>(k);
     prefix_[k + 1] = prefix_[k] + (start_[k + 1] - start_[k]) * t_[k];
   }
@@ -333,8 +349,10 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
   auto& parent = sc.parent;
   auto& size = sc.size;
   auto& on = sc.on;
+  auto& root_at = sc.root_at;
   parent.resize(R);
-  size.assign(R, 0);
+  size.resize(R);
+  root_at.resize(R);
   on.assign(R, 0);
   sc.first.resize(R);
   sc.end.resize(R);
@@ -348,6 +366,17 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
     return x;
   };
   int best_width = 0;
+  // A run joins the stretches ending just before it and starting just after it: root_at holds
+  // each stretch's root at its first and last run, so the joins need no find() (the roots, and
+  // so the union by size, are the same as with it).
+  auto join = [&](size_t a, size_t b) {  // roots; returns the root of the union
+    if (size[a] < size[b]) std::swap(a, b);
+    parent[b] = a;
+    size[a] += size[b];
+    sc.first[a] = std::min(sc.first[a], sc.first[b]);
+    sc.end[a] = std::max(sc.end[a], sc.end[b]);
+    return a;
+  };
   auto next_time = [&]() {  // takes the runs of the next distinct time; false when none is left
     if (next == R) return false;
     const double t = order_[next].first;
@@ -360,17 +389,10 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
       sc.end[k] = k + 1;
       on[k] = 1;
       size_t c = k;  // k's root
-      for (size_t nb : {k - 1, k + 1}) {
-        if (nb >= R || !on[nb]) continue;  // k - 1 wraps to a huge index for k == 0
-        size_t a = c, b = find(nb);
-        if (a == b) continue;
-        if (size[a] < size[b]) std::swap(a, b);
-        parent[b] = a;
-        size[a] += size[b];
-        sc.first[a] = std::min(sc.first[a], sc.first[b]);
-        sc.end[a] = std::max(sc.end[a], sc.end[b]);
-        c = a;
-      }
+      if (k > 0 && on[k - 1]) c = join(c, root_at[k - 1]);
+      if (k + 1 < R && on[k + 1]) c = join(c, root_at[k + 1]);
+      root_at[sc.first[c]] = c;
+      root_at[sc.end[c] - 1] = c;
       best_width = std::max(best_width, size[c]);
       if (size[c] >= lo && !sc.in_wide[c]) {
         sc.in_wide[c] = 1;

@@ -114,11 +114,11 @@ class IntervalTimeline {
   std::vector<double> t_;    // run k's free time
   // Kept across rings (occupy() changes a few runs): the runs by (free time, start), which is
   // choose()'s time order, and each run's index by its start rank.
-  std::vector<std::pair<double, int>> order_;
+  std::vector<std::pair<double, int>> order_, order_next_;  // order_next_: occupy()'s buffer
   std::vector<int> run_of_;
   std::vector<double> prefix_;  // prefix_[k]: the sum of free times over ranks [0, start_[k])
   struct Scratch {  // choose()'s buffers, kept across calls
-    std::vector<size_t> by_time, last, parent;
+    std::vector<size_t> by_time, last, parent, root_at;  // root_at: see choose()'s next_time
     std::vector<double> times;
     std::vector<int> widest, size;
     std::vector<char> on;
