@@ -279,7 +279,10 @@ class Planner {
       it.occupy(c.start, c.d, c.t + height);
     }
     tl.clear();
-    it.each([&](int r, double t) { tl[t].push_back(r); });
+    it.eachRun([&](int a, int e, double t) {  // one map look-up per run, ranks in order
+      std::vector<int>& b = tl[t];
+      for (int r = a; r < e; ++r) b.push_back(r);
+    });
   }
 
   // Ranks of a bucket in the order they are taken (from the back): fastest first, then lowest rank.

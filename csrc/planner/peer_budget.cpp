@@ -229,6 +229,10 @@ void IntervalTimeline::each(const std::function<void(int, double)>& f) const {
     for (int r = start_[k]; r < start_[k + 1]; ++r) f(r, t_[k]);
 }
 
+void IntervalTimeline::eachRun(const std::function<void(int, int, double)>& f) const {
+  for (size_t k = 0; k < t_.size(); ++k) f(start_[k], start_[k + 1], t_[k]);
+}
+
 void IntervalTimeline::occupy(int a, int d, double until) {
   // Runs [lo, hi) give way to (a, until) and, where a + d falls inside a run, that run's rest
   // (a + d, its time): one splice of start_ / t_ (a run cut at a keeps its start and time; runs
@@ -335,33 +339,40 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
   // in increasing order: runs join their free neighbours in time order (union-find over runs).
   // Runs are taken from order_ (kept across rings) as the candidates need them; each stretch's
   // root knows its runs, and those of >= lo ranks are listed (the windows' search at a time).
-  Scratch& sc = scratch_;  // buffers kept across calls (no allocation per ring)
-  size_t next = 0;  // the next run of order_ to take
-  auto& by_time = sc.by_time;  // the runs taken so far, in time order
-  by_time.clear();
-  by_time.reserve(R);
-  auto& times = sc.times;
-  auto& widest = sc.widest;
-  auto& last = sc.last;  // last[i]: the last position in by_time of a run free at times[i]
-  times.clear();
-  widest.clear();
-  last.clear();
-  auto& parent = sc.parent;
-  auto& size = sc.size;
-  auto& on = sc.on;
-  auto& root_at = sc.root_at;
-  parent.resize(R);
-  size.resize(R);
-  root_at.resize(R);
-  on.assign(R, 0);
-  sc.first.resize(R);
-  sc.end.resize(R);
-  sc.wide.clear();
-  sc.in_wide.assign(R, 0);
+  // The buffers are kept across calls (no allocation per ring) and read through plain pointers
+  // (at most R runs and R distinct times), so that the loops keep them in registers.
+  Scratch& sc = scratch_;
+  for (std::vector<int>* v : {&sc.by_time, &sc.last, &sc.widest, &sc.parent, &sc.size, &sc.first,
+                              &sc.end, &sc.root_at, &sc.acc_n, &sc.started, &sc.wide})
+    v->resize(R);
+  sc.times.resize(R);
   sc.acc_w.resize(R);
-  sc.acc_n.resize(R);
   sc.stamp.resize(R, 0);
-  auto find = [&](size_t x) {
+  sc.on.assign(R, 0);
+  sc.in_wide.assign(R, 0);
+  int* const by_time = sc.by_time.data();  // the runs taken so far, in time order
+  int* const last = sc.last.data();  // last[i]: the last position in by_time of a run free at times[i]
+  int* const widest = sc.widest.data();
+  double* const times = sc.times.data();
+  int* const parent = sc.parent.data();
+  int* const size = sc.size.data();
+  int* const first = sc.first.data();  // per stretch (root): its runs [first, end)
+  int* const end = sc.end.data();
+  int* const root_at = sc.root_at.data();
+  char* const on = sc.on.data();
+  char* const in_wide = sc.in_wide.data();
+  int* const wide = sc.wide.data();  // roots of stretches of >= lo ranks (stale ones skipped)
+  double* const acc_w = sc.acc_w.data();
+  int* const acc_n = sc.acc_n.data();
+  int* const stamp = sc.stamp.data();
+  int* const started = sc.started.data();
+  const int* const rs = start_.data();
+  const double* const rt = t_.data();
+  const std::pair<double, int>* const order = order_.data();
+  const int* const run_of = run_of_.data();
+  size_t next = 0;  // the next run of order_ to take
+  size_t n_taken = 0, n_times = 0, n_wide = 0;
+  auto find = [&](int x) {
     while (parent[x] != x) x = parent[x] = parent[parent[x]];
     return x;
   };
@@ -369,42 +380,43 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
   // A run joins the stretches ending just before it and starting just after it: root_at holds
   // each stretch's root at its first and last run, so the joins need no find() (the roots, and
   // so the union by size, are the same as with it).
-  auto join = [&](size_t a, size_t b) {  // roots; returns the root of the union
+  auto join = [&](int a, int b) {  // roots; returns the root of the union
     if (size[a] < size[b]) std::swap(a, b);
     parent[b] = a;
     size[a] += size[b];
-    sc.first[a] = std::min(sc.first[a], sc.first[b]);
-    sc.end[a] = std::max(sc.end[a], sc.end[b]);
+    first[a] = std::min(first[a], first[b]);
+    end[a] = std::max(end[a], end[b]);
     return a;
   };
   auto next_time = [&]() {  // takes the runs of the next distinct time; false when none is left
     if (next == R) return false;
-    const double t = order_[next].first;
-    while (next < R && order_[next].first == t) {
-      const size_t k = static_cast<size_t>(run_of_[static_cast<size_t>(order_[next++].second)]);
-      by_time.push_back(k);
+    const double t = order[next].first;
+    while (next < R && order[next].first == t) {
+      const int k = run_of[order[next++].second];
+      by_time[n_taken++] = k;
       parent[k] = k;
-      size[k] = start_[k + 1] - start_[k];
-      sc.first[k] = k;
-      sc.end[k] = k + 1;
+      size[k] = rs[k + 1] - rs[k];
+      first[k] = k;
+      end[k] = k + 1;
       on[k] = 1;
-      size_t c = k;  // k's root
+      int c = k;  // k's root
       if (k > 0 && on[k - 1]) c = join(c, root_at[k - 1]);
-      if (k + 1 < R && on[k + 1]) c = join(c, root_at[k + 1]);
-      root_at[sc.first[c]] = c;
-      root_at[sc.end[c] - 1] = c;
+      if (static_cast<size_t>(k) + 1 < R && on[k + 1]) c = join(c, root_at[k + 1]);
+      root_at[first[c]] = c;
+      root_at[end[c] - 1] = c;
       best_width = std::max(best_width, size[c]);
-      if (size[c] >= lo && !sc.in_wide[c]) {
-        sc.in_wide[c] = 1;
-        sc.wide.push_back(c);
+      if (size[c] >= lo && !in_wide[c]) {
+        in_wide[c] = 1;
+        wide[n_wide++] = c;
       }
     }
-    times.push_back(t);
-    widest.push_back(best_width);
-    last.push_back(by_time.size() - 1);
+    times[n_times] = t;
+    widest[n_times] = best_width;
+    last[n_times++] = static_cast<int>(n_taken) - 1;
     return true;
   };
   const std::vector<double>& P = prefix_;
+  const double P_R = std::abs(P[R]);
   // Whether no window of d ranks free by times[i] can have a waste below thr: a window lies in
   // one stretch (a union-find component at times[i], which it holds while candidate i is looked
   // at), and its waste is at least that of the d latest-free ranks of its stretch. Runs are taken
@@ -414,31 +426,33 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
   // side of 0, and such a hair decides between them): thr is raised by far more than that error.
   auto cannot_beat = [&](size_t i, int d, double thr) {
     const double t = times[i];
-    thr += 1e-9 * (d * std::abs(t) + std::abs(P[R]));
-    ++sc.epoch;
-    sc.started.clear();
-    for (size_t q = last[i] + 1; q-- > 0;) {
-      const size_t k = by_time[q];
-      const size_t c = find(k);
+    thr += 1e-9 * (d * std::abs(t) + P_R);
+    const int epoch = ++sc.epoch;
+    size_t n_started = 0;
+    for (int q = last[i] + 1; q-- > 0;) {
+      const int k = by_time[q];
+      const int c = find(k);
       if (size[c] < d) continue;  // in a stretch too narrow for any window
-      const double cost = t - t_[k];
+      const double cost = t - rt[k];
       if (d * cost >= thr) {
         bool all = true;
-        for (size_t o : sc.started)
-          if (sc.acc_n[o] < d && sc.acc_w[o] + (d - sc.acc_n[o]) * cost < thr) all = false;
+        for (size_t u = 0; u < n_started; ++u) {
+          const int o = started[u];
+          if (acc_n[o] < d && acc_w[o] + (d - acc_n[o]) * cost < thr) all = false;
+        }
         if (all) return true;
       }
-      if (sc.stamp[c] != sc.epoch) {
-        sc.stamp[c] = sc.epoch;
-        sc.acc_w[c] = 0;
-        sc.acc_n[c] = 0;
-        sc.started.push_back(c);
+      if (stamp[c] != epoch) {
+        stamp[c] = epoch;
+        acc_w[c] = 0;
+        acc_n[c] = 0;
+        started[n_started++] = c;
       }
-      if (sc.acc_n[c] >= d) continue;
-      const int n = std::min(d - sc.acc_n[c], start_[k + 1] - start_[k]);
-      sc.acc_w[c] += n * cost;
-      sc.acc_n[c] += n;
-      if (sc.acc_n[c] == d && sc.acc_w[c] < thr) return false;
+      if (acc_n[c] >= d) continue;
+      const int n = std::min(d - acc_n[c], rs[k + 1] - rs[k]);
+      acc_w[c] += n * cost;
+      acc_n[c] += n;
+      if (acc_n[c] == d && acc_w[c] < thr) return false;
     }
     return true;
   };
@@ -447,7 +461,7 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
   double best_waste = 0, best_finish = 0;
   int seen = 0;
   size_t i = 0;
-  auto have_time = [&]() { return i < times.size() || next_time(); };
+  auto have_time = [&]() { return i < n_times || next_time(); };
   while (have_time() && widest[i] < lo) ++i;  // the earliest time an interval of lo is free
   for (; have_time(); ++i) {
     const double t = times[i];
@@ -469,9 +483,11 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
       // window(t, sz.d) over the stretches at t (the union-find's now): those of >= lo ranks
       bool found = false;
       if (sz.d >= lo) {
-        for (size_t c : sc.wide)
+        for (size_t u = 0; u < n_wide; ++u) {
+          const int c = wide[u];
           if (parent[c] == c && size[c] >= sz.d)
-            stretch(sc.first[c], sc.end[c], t, sz.d, P, found, start, waste);
+            stretch(static_cast<size_t>(first[c]), static_cast<size_t>(end[c]), t, sz.d, P, found, start, waste);
+        }
       } else {
         found = window(t, sz.d, P, start, waste);
       }

@@ -107,6 +107,8 @@ class IntervalTimeline {
   void occupy(int a, int d, double until);
   // Every rank with its free time (for the balanced strategy's locals).
   void each(const std::function<void(int rank, double t)>& f) const;
+  // Every run: ranks [a, e) free at t, in rank order (each() a run at a time).
+  void eachRun(const std::function<void(int a, int e, double t)>& f) const;
 
  private:
   int W_;
@@ -117,17 +119,11 @@ class IntervalTimeline {
   std::vector<std::pair<double, int>> order_, order_next_;  // order_next_: occupy()'s buffer
   std::vector<int> run_of_;
   std::vector<double> prefix_;  // prefix_[k]: the sum of free times over ranks [0, start_[k])
-  struct Scratch {  // choose()'s buffers, kept across calls
-    std::vector<size_t> by_time, last, parent, root_at;  // root_at: see choose()'s next_time
-    std::vector<double> times;
-    std::vector<int> widest, size;
-    std::vector<char> on;
-    std::vector<double> acc_w;  // per stretch (union-find root): the bound's partial sums
-    std::vector<int> acc_n, stamp;
-    std::vector<size_t> started;
-    std::vector<size_t> first, end;  // per stretch (root): its runs [first, end)
-    std::vector<size_t> wide;        // roots of stretches of >= lo ranks (stale ones skipped)
-    std::vector<char> in_wide;
+  struct Scratch {  // choose()'s buffers, kept across calls (what each holds: see choose())
+    std::vector<int> by_time, last, widest, parent, size, first, end, root_at, acc_n, stamp, started,
+        wide;
+    std::vector<double> times, acc_w;
+    std::vector<char> on, in_wide;
     int epoch = 0;
   };
   mutable Scratch scratch_;
