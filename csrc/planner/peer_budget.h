@@ -87,7 +87,6 @@ class IntervalTimeline {
     bool fits;
     double finish;
   };
-  using Sizer = std::function<Size(double t, int avail)>;
   struct Choice {
     int start = -1, d = 0;
     double t = 0;
@@ -98,7 +97,10 @@ class IntervalTimeline {
   // many scattered ranks, so later starts are worth a look); at each, the size from `sizer` and the interval of that size free by t
   // that wastes least (the sum of t - free over its ranks; then the lowest start). Among the
   // candidates ending within H the least waste wins (then the earliest), else the earliest end.
-  Choice choose(int lo, int cap, int candidates, double H, const Sizer& sizer) const;
+  // sizer: Size(double t, int avail); a template (interval_timeline_choose.h) so that it is
+  // inlined: it runs for most candidates.
+  template <class SizerFn>
+  Choice choose(int lo, int cap, int candidates, double H, SizerFn&& sizer) const;
 
   double freeAt(int r) const;
   // out[i] = freeAt(a + i) for i in [0, d), a run at a time.
@@ -120,7 +122,7 @@ class IntervalTimeline {
   std::vector<int> run_of_;
   std::vector<double> prefix_;  // prefix_[k]: the sum of free times over ranks [0, start_[k])
   struct Scratch {  // choose()'s buffers, kept across calls (what each holds: see choose())
-    std::vector<int> by_time, last, widest, parent, size, first, end, root_at, acc_n, stamp, started,
+    std::vector<int> by_time, last, widest, parent, size, first, end, acc_n, stamp, started,
         wide;
     std::vector<double> times, acc_w;
     std::vector<char> on, in_wide;
@@ -137,3 +139,5 @@ class IntervalTimeline {
 }  // namespace detail
 }  // namespace planner
 }  // namespace bytescale
+
+#include "planner/interval_timeline_choose.h"  // choose()
