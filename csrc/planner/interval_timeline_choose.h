@@ -53,14 +53,14 @@ IntervalTimeline::Choice IntervalTimeline::choose(int lo, int cap, int candidate
   const int* const run_of = run_of_.data();
   size_t next = 0;  // the next run of order_ to take
   size_t n_taken = 0, n_times = 0, n_wide = 0;
-  auto find = [&](int x) {
-    while (parent[x] != x) x = parent[x] = parent[parent[x]];
-    return x;
-  };
+  // parent[x]: the root of run x's stretch, for every run (a stretch is a range of runs, so a
+  // join relabels the smaller one's range: no path to walk in find(); a run is relabelled only
+  // when its stretch at least doubles in ranks, so at most log2(W) times a choice).
+  auto find = [&](int x) { return parent[x]; };
   int best_width = 0;
   auto join = [&](int a, int b) {  // roots (a != b); returns the root of the union
     if (size[a] < size[b]) std::swap(a, b);
-    parent[b] = a;
+    for (int x = first[b]; x < end[b]; ++x) parent[x] = a;
     size[a] += size[b];
     first[a] = std::min(first[a], first[b]);
     end[a] = std::max(end[a], end[b]);
