@@ -243,11 +243,22 @@ class Planner {
     const double v = ctx_.speed_min;
     for (const RingCand& rc : rings) {
       const RingShape& sh = rc.shape;
+      // minRanksWithin's first two tests (lo ranks within the budget; even the best size not),
+      // their times taken once per ring, and the time of the last non-fitting size: most
+      // candidates end there (the same comparisons of the same values, so the same sizes).
+      const double t_lo = cm_.shardedTime(rc.s, sh.lo), t_best = cm_.shardedTime(rc.s, sh.best);
+      int memo_d = -1;
+      double memo_t = 0;
       auto sizer = [&](double t, int avail) {
-        int d = minRanksWithin(cm_, rc.s, sh, (H - t) * v);
+        const double budget = (H - t) * v;
+        const int d = t_lo <= budget ? sh.lo : t_best > budget ? -1 : minRanksWithin(cm_, rc.s, sh, budget);
         const bool fits = d > 0 && d <= avail;
         if (fits) return IntervalTimeline::Size{d, true, 0.0};  // a fitting end is not read
-        return IntervalTimeline::Size{avail, false, t + cm_.shardedTime(rc.s, avail) / v};
+        if (avail != memo_d) {
+          memo_d = avail;
+          memo_t = cm_.shardedTime(rc.s, avail);
+        }
+        return IntervalTimeline::Size{avail, false, t + memo_t / v};
       };
       const IntervalTimeline::Choice c = it.choose(sh.lo, sh.best, kIntervalCandidates, H, sizer);
       if (c.start < 0) throw std::logic_error("planner: no interval for a ring (world too small?)");
@@ -268,7 +279,10 @@ class Planner {
       it.occupy(c.start, c.d, c.t + height);
     }
     tl.clear();
-    it.each([&](int r, double t) { tl[t].push_back(r); });
+    it.eachRun([&](int a, int e, double t) {  // one map look-up per run, ranks in order
+      std::vector<int>& b = tl[t];
+      for (int r = a; r < e; ++r) b.push_back(r);
+    });
   }
 
   // Ranks of a bucket in the order they are taken (from the back): fastest first, then lowest rank.

@@ -87,7 +87,6 @@ class IntervalTimeline {
     bool fits;
     double finish;
   };
-  using Sizer = std::function<Size(double t, int avail)>;
   struct Choice {
     int start = -1, d = 0;
     double t = 0;
@@ -98,7 +97,10 @@ class IntervalTimeline {
   // many scattered ranks, so later starts are worth a look); at each, the size from `sizer` and the interval of that size free by t
   // that wastes least (the sum of t - free over its ranks; then the lowest start). Among the
   // candidates ending within H the least waste wins (then the earliest), else the earliest end.
-  Choice choose(int lo, int cap, int candidates, double H, const Sizer& sizer) const;
+  // sizer: Size(double t, int avail); a template (interval_timeline_choose.h) so that it is
+  // inlined: it runs for most candidates.
+  template <class SizerFn>
+  Choice choose(int lo, int cap, int candidates, double H, SizerFn&& sizer) const;
 
   double freeAt(int r) const;
   // out[i] = freeAt(a + i) for i in [0, d), a run at a time.
@@ -107,6 +109,8 @@ class IntervalTimeline {
   void occupy(int a, int d, double until);
   // Every rank with its free time (for the balanced strategy's locals).
   void each(const std::function<void(int rank, double t)>& f) const;
+  // Every run: ranks [a, e) free at t, in rank order (each() a run at a time).
+  void eachRun(const std::function<void(int a, int e, double t)>& f) const;
 
  private:
   int W_;
@@ -114,20 +118,14 @@ class IntervalTimeline {
   std::vector<double> t_;    // run k's free time
   // Kept across rings (occupy() changes a few runs): the runs by (free time, start), which is
   // choose()'s time order, and each run's index by its start rank.
-  std::vector<std::pair<double, int>> order_;
+  std::vector<std::pair<double, int>> order_, order_next_;  // order_next_: occupy()'s buffer
   std::vector<int> run_of_;
   std::vector<double> prefix_;  // prefix_[k]: the sum of free times over ranks [0, start_[k])
-  struct Scratch {  // choose()'s buffers, kept across calls
-    std::vector<size_t> by_time, last, parent;
-    std::vector<double> times;
-    std::vector<int> widest, size;
-    std::vector<char> on;
-    std::vector<double> acc_w;  // per stretch (union-find root): the bound's partial sums
-    std::vector<int> acc_n, stamp;
-    std::vector<size_t> started;
-    std::vector<size_t> first, end;  // per stretch (root): its runs [first, end)
-    std::vector<size_t> wide;        // roots of stretches of >= lo ranks (stale ones skipped)
-    std::vector<char> in_wide;
+  struct Scratch {  // choose()'s buffers, kept across calls (what each holds: see choose())
+    std::vector<int> by_time, last, widest, parent, size, first, end, acc_n, stamp, started,
+        wide;
+    std::vector<double> times, acc_w;
+    std::vector<char> on, in_wide;
     int epoch = 0;
   };
   mutable Scratch scratch_;
@@ -141,3 +139,5 @@ class IntervalTimeline {
 }  // namespace detail
 }  // namespace planner
 }  // namespace bytescale
+
+#include "planner/interval_timeline_choose.h"  // choose()
