@@ -12,7 +12,8 @@
 #   staged     2-4 processes on this one GPU (BYTESCALE_CUDA_TRANSPORT=staged): ring attention
 #              with the real flash/cuDNN steps, CUDA collectives, static groups, HDP + offload,
 #              PP 2 x HDP 2 (the one StepExecutor's 1F1B schedule and stage I/O; its lockstep
-#              agreement is a CPU all-reduce on the world group); then the 2-process training demo
+#              agreement is a CPU all-reduce on the world group), TP 3 (the local plan's
+#              collectives); then the 2-process training demo
 #   tests      correctness of every CUDA test (tests/cuda/, the CUDA offload and copy engines),
 #              device_id=, a second NCCL rank on one GPU, the one-GPU smoke run to exit
 #   grad       the HF model's training on CUDA's autograd device thread (checkpoint recompute)
@@ -54,7 +55,7 @@ while [ $# -gt 0 ]; do
       [ $# -gt 0 ] && [[ " $ALL " == *" $1 "* ]] || {
         echo "gpu_check: unknown stage '${1:-}' (stages: $ALL)" >&2; exit 2; }
       STAGES+=("$1") ;;
-    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument '$1' (use --stage NAME, --plan, --dry-run)" >&2; exit 2 ;;
   esac
   shift

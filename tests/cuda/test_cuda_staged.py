@@ -2,8 +2,9 @@
 csrc/comm/staged_transport.h: every message through pinned host memory over Gloo): what NCCL
 cannot run on a single GPU (it refuses two ranks on one device) runs multi-process here with the
 real CUDA compute path: ring attention with the flash / cuDNN steps, CUDA dynamic-group and world
-collectives, HDP training with activation offloading, and PP 2 x HDP 2 pipelines (StepExecutor),
-against single-process references.
+collectives, HDP training with activation offloading, PP 2 x HDP 2 pipelines (StepExecutor), and
+TP 3 with the local plan (bytescale's TP collectives, the vocabulary-parallel loss), against
+single-process references.
 Skipped without a GPU (the staging code itself is tested on CPU tensors in
 tests/comm/test_staged_transport.py). Run by scripts/gpu_check.sh.
 """
@@ -184,3 +185,50 @@ def test_pipeline_pp2_hdp2_on_one_gpu_matches_single_process():
     for params in run_distributed(_pipeline_on_cuda, 4, timeout=300):
         for n, p in params.items():
             torch.testing.assert_close(p.double(), ref[n], rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+
+
+def _tp_on_device(rank, world, device):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+    from test_tp_local import DENSE, LENGTHS, MOE, SHARED_KV  # noqa: E402
+
+    import bytescale
+    from bytescale.attention.layout import Layout
+    from bytescale.models.parallel import tensor_parallel
+    from bytescale.runtime.loss import token_level_loss
+    from fixtures import tiny_llama
+
+    mesh = bytescale.init_mesh(tp=world)
+    loss_tokens = sum(map(sum, LENGTHS))
+
+    def run(model, cfg, lens):
+        g = torch.Generator().manual_seed(sum(lens))
+        ids = torch.randint(0, cfg.vocab_size, (sum(lens),), generator=g).to(device)
+        pos = torch.cat([torch.arange(n) for n in lens]).to(device)
+        logits, aux = model(ids, pos, layout=Layout.local(list(lens)), global_tokens=loss_tokens, return_aux=True)
+        loss = token_level_loss(logits, torch.roll(ids, -1), loss_tokens) + aux
+        loss.backward()
+        return loss.detach().double().cpu()
+
+    out = {}
+    for name, cfg, sp in (("dense", DENSE, False), ("shared-kv-sp", SHARED_KV, True), ("moe-sp", MOE, True)):
+        ref = tiny_llama(cfg, torch.float32).to(device)
+        tp_model = tensor_parallel(tiny_llama(cfg, torch.float32).to(device), mesh["tp"], sequence_parallel=sp)
+        errs = [_rel(run(tp_model, cfg, lens), run(ref, cfg, lens)) for lens in LENGTHS]
+        want = {n: p.grad for n, p in ref.named_parameters()}
+        for n, p in tp_model.named_parameters():
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            errs.append(_rel(g, want[n]))
+        out[name] = max(errs)
+    return out
+
+
+def test_tensor_parallel_local_plan_on_one_gpu_matches_the_unsharded_model():
+    """TP 3 (the local plan: bytescale's TP collectives over the staged transport, the
+    vocabulary-parallel loss) with the CUDA compute path: dense, shared KV heads with sequence
+    parallelism, MoE with sequence parallelism; losses and every gradient against the unsharded
+    model on the same GPU (fp32)."""
+    for errs in run_distributed(_tp_on_device, 3, "cuda", timeout=300):
+        assert max(errs.values()) < 1e-4, errs
