@@ -347,6 +347,9 @@ def tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = False,
     check_tensor_parallel(cfg.n_heads, cfg.n_kv_heads, tp, "this Llama")
     if tp == 1:
         return model
+    if getattr(model, "tp_mesh", None) is not None:
+        raise RuntimeError("tensor_parallel: this Llama is already tensor-parallel (its heads and layers are "
+                           "split); apply the plan once, to the model as a single process builds it")
     sp = bool(sequence_parallel)
     model.tp_mesh = tp_mesh
     model.sequence_parallel = sp

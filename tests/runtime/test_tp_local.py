@@ -131,6 +131,8 @@ def _plans_worker(rank, world, plans):
         ref_losses = [_run(ref, cfg, lens, loss_tokens) for lens in LENGTHS]
         for compute in plans:
             tp_model = tensor_parallel(tiny_llama(cfg), mesh["tp"], sequence_parallel=sp, compute=compute)
+            with pytest.raises(RuntimeError, match="already tensor-parallel"):
+                tensor_parallel(tp_model, mesh["tp"], sequence_parallel=sp, compute=compute)
             losses = [_run(tp_model, cfg, lens, loss_tokens) for lens in LENGTHS]
             for a, b in zip(losses, ref_losses):
                 torch.testing.assert_close(a if not hasattr(a, "full_tensor") else a.full_tensor(), b,
