@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from ..attention.api import attention
 from ..attention.layout import Layout
 from .moe import MoE
-from .tp_ops import shared_kv
+from .tp_ops import sequence_shard_rows, shared_kv  # noqa: F401  (sequence_shard_rows: the stage I/O's)
 
 
 @dataclass
@@ -205,13 +205,6 @@ def stage_input(embed: Optional[nn.Module], input_ids: Optional[torch.Tensor], h
         raise ValueError(f"{who} takes hidden= (T, {width}), the previous stage's output; got "
                          f"{None if hidden is None else tuple(hidden.shape)}")
     return hidden
-
-
-def sequence_shard_rows(tokens: int, tp: int, index: int) -> int:
-    """Rows of ``tokens`` that TP rank ``index`` of ``tp`` holds under sequence parallelism (the
-    DTensor ``Shard(0)`` split: ceil(tokens / tp) each, the last ones fewer or none)."""
-    per = -(-tokens // tp) if tokens else 0
-    return max(0, min(tokens, per * (index + 1)) - per * index)
 
 
 def _sequence_shard(x: torch.Tensor, tp_mesh, position_ids: Optional[torch.Tensor], local: bool) -> torch.Tensor:

@@ -39,6 +39,7 @@ applied by transformers).
 """
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -111,8 +112,9 @@ class _LocalStyle(ParallelStyle):
     def _placements(self, module: nn.Module) -> Dict[str, Any]:
         return {}
 
+    @abstractmethod
     def _forward(self, module: nn.Module, group, tp: int, index: int) -> Callable[..., torch.Tensor]:
-        raise NotImplementedError
+        """The module's forward on local shards (each style's own)."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not isinstance(module, self.kinds):

@@ -6,7 +6,7 @@ tensors, so no op of a layer goes through DTensor's sharding propagation, whose 
 shapes and misses on every new micro-batch length).
 
 Rows (the packed token dimension 0) under sequence parallelism are split as DTensor's ``Shard(0)``
-is: ceil(T / tp) per rank, the last ranks fewer or none (``llama.sequence_shard_rows``).
+is: ceil(T / tp) per rank, the last ranks fewer or none (:func:`sequence_shard_rows`).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial
 
-__all__ = ["local_tensor", "shared_kv", "copy_to_tp", "reduce_from_tp", "gather_rows", "scatter_rows",
+__all__ = ["local_tensor", "shared_kv", "sequence_shard_rows", "copy_to_tp", "reduce_from_tp", "gather_rows", "scatter_rows",
            "slice_rows"]
 
 
@@ -97,6 +97,19 @@ def _per(tokens: int, tp: int) -> int:
     return -(-tokens // tp) if tokens else 0
 
 
+def _row_range(tokens: int, tp: int, index: int) -> Tuple[int, int]:
+    per = _per(tokens, tp)
+    lo = min(tokens, per * index)
+    return lo, min(tokens, lo + per)
+
+
+def sequence_shard_rows(tokens: int, tp: int, index: int) -> int:
+    """Rows of ``tokens`` that TP rank ``index`` of ``tp`` holds under sequence parallelism (the
+    DTensor ``Shard(0)`` split: ceil(tokens / tp) each, the last ones fewer or none)."""
+    lo, hi = _row_range(tokens, tp, index)
+    return hi - lo
+
+
 def _all_gather_rows(x: torch.Tensor, tokens: int, group, tp: int) -> torch.Tensor:
     """Every TP rank's rows (``Shard(0)`` split of ``tokens``) concatenated: (tokens, ...)."""
     per = _per(tokens, tp)
@@ -115,7 +128,7 @@ def _reduce_scatter_rows(x: torch.Tensor, group, tp: int, index: int) -> torch.T
     tokens = x.shape[0]
     per = _per(tokens, tp)
     tail = tuple(x.shape[1:])
-    rows = max(0, min(tokens, per * (index + 1)) - per * index)
+    rows = sequence_shard_rows(tokens, tp, index)
     if per == 0:
         return x.new_empty((0,) + tail)
     pad = x.new_zeros((per * tp,) + tail)
@@ -126,10 +139,8 @@ def _reduce_scatter_rows(x: torch.Tensor, group, tp: int, index: int) -> torch.T
 
 
 def _own_rows(x: torch.Tensor, tp: int, index: int) -> torch.Tensor:
-    tokens = x.shape[0]
-    per = _per(tokens, tp)
-    lo = min(tokens, per * index)
-    return x[lo: min(tokens, lo + per)]
+    lo, hi = _row_range(x.shape[0], tp, index)
+    return x[lo:hi]
 
 
 class _GatherRows(torch.autograd.Function):
